@@ -1,0 +1,113 @@
+"""`eyas <stage>`: one subcommand per pipeline stage, plus `run` and `config`.
+
+Every stage subcommand takes `--recipe NAME|FILE`, a `--flag` for each field of its
+config section (`--max-tokens` sets `synth.max_tokens`), positional actions where the
+stage has them (`eyas models fetch NAME`), and `section.key=value` overrides. Stage
+modules are imported only when their command runs, so `eyas --help` stays instant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import typing
+
+from eyas import config as C
+
+# subcommand -> (config section, "module:function", help)
+STAGES: dict[str, tuple[str, str, str]] = {
+    "models": ("models", "eyas.models:cli", "fetch / locate a target model (`models fetch|path NAME`)"),
+    "data": ("data", "eyas.data:cli", "fetch prompt data, show stats (`data fetch NAME...|stats FILE`)"),
+    "synth": ("synth", "eyas.synth:cli", "stage 1: on-policy synthesis of assistant turns by the target in vLLM"),
+    "extract": ("extract", "eyas.extract:cli", "stage 2: hidden-state extraction (offline / online / streaming)"),
+    "train": ("train", "eyas.train:cli", "stage 3: cold-start FSDP2 training of the EAGLE-3 head (TTT loss)"),
+    "eval": ("eval", "eyas.evaluate:cli", "stage 4: true acceptance length under vLLM speculative decoding"),
+    "export": ("export", "eyas.export:cli", "stage 5: export a vLLM-ready draft (bf16 / fp8, vllm / speculators)"),
+    "quantize": ("quantize", "eyas.quant:cli", "MXFP4 (OCP MX) quantization of the target in Quark's format"),
+    "bench": ("bench", "eyas.bench:cli", "benchmarks (`bench extract|train|quant|al|throughput`)"),
+    "run": ("run", "eyas.pipeline:cli", "all stages end to end (the demo pipeline)"),
+}
+
+
+class NotBuilt(RuntimeError):
+    """A stage that a later issue builds."""
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _add_section_flags(p: argparse.ArgumentParser, section: str) -> None:
+    cls = C.SECTIONS[section]
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        doc = f"{section}.{f.name} (default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()})"  # type: ignore[misc]
+        if tp is bool:
+            p.add_argument(_flag(f.name), dest=f"cfg__{f.name}", action=argparse.BooleanOptionalAction, default=None, help=doc)
+        elif typing.get_origin(tp) is list:
+            p.add_argument(_flag(f.name), dest=f"cfg__{f.name}", nargs="+", default=None, help=doc)
+        else:
+            p.add_argument(_flag(f.name), dest=f"cfg__{f.name}", default=None, help=doc)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="eyas", description="Train EAGLE-3 draft heads with vLLM in the loop.")
+    sub = parser.add_subparsers(dest="command", metavar="<command>")
+    sub.required = True
+    for name, (section, _, help_) in STAGES.items():
+        p = sub.add_parser(name, help=help_, description=help_)
+        p.add_argument("--recipe", default=None, help="recipe name under recipes/ or a YAML path")
+        _add_section_flags(p, section)
+        p.add_argument("rest", nargs="*", metavar="ACTION|section.key=value", help="actions and config overrides")
+    p = sub.add_parser("config", help="print the resolved config (recipe + overrides) as YAML")
+    p.add_argument("--recipe", default=None)
+    p.add_argument("--section", default=None, help="print one section only")
+    p.add_argument("rest", nargs="*", metavar="section.key=value")
+    return parser
+
+
+def resolve(args: argparse.Namespace, section: str | None) -> tuple[C.Recipe, list[str]]:
+    """Recipe, then flags of the command's own section, then `key=value` overrides."""
+    overrides = [r for r in args.rest if "=" in r]
+    actions = [r for r in args.rest if "=" not in r]
+    cfg = C.load_recipe(args.recipe)
+    if section is not None:
+        values = {k[5:]: v for k, v in vars(args).items() if k.startswith("cfg__") and v is not None}
+        C.update_section(getattr(cfg, section), values, f"--flags of {section}")
+    for ov in overrides:
+        C.apply_override(cfg, ov, default_section=section)
+    return cfg, actions
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "config":
+            cfg, _ = resolve(args, None)
+            if args.section and args.section not in C.SECTIONS:
+                raise ValueError(f"unknown section {args.section!r}; valid sections: {', '.join(C.SECTIONS)}")
+            print(C.dump_yaml(getattr(cfg, args.section) if args.section else cfg), end="")
+            return 0
+        section, target, _ = STAGES[args.command]
+        cfg, actions = resolve(args, section)
+        module, func = target.split(":")
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as e:
+            if e.name == module:
+                raise NotBuilt(f"stage {args.command!r} is not built yet") from None
+            raise
+        return int(getattr(mod, func)(cfg, actions) or 0)
+    except NotBuilt as e:
+        print(f"eyas: {e}", file=sys.stderr)
+        return 3
+    except ValueError as e:
+        print(f"eyas {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,302 @@
+"""Typed configs: one dataclass per stage, recipes as YAML, `section.field=value` overrides.
+
+A recipe is a YAML file with one mapping per stage section (see `recipes/demo.yaml`).
+Everything is resolved into a `Recipe` of plain dataclasses; unknown keys are refused
+with the list of valid keys so that a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+
+
+@dataclass
+class ModelsConfig:
+    """Stage 0: which target to fetch / resolve (a registry name or a local HF dir)."""
+
+    target: str = "smollm2-135m-instruct"
+    check: bool = True  # after conversion, load and generate a reply through the chat template
+
+
+@dataclass
+class DataConfig:
+    """Stage 0: prompt sources normalized to `{"id", "domain", "messages"}` JSONL."""
+
+    sources: list[str] = field(default_factory=lambda: ["sharegpt", "gsm", "humaneval", "multilingual", "pydoc"])
+    out: str = ""  # default: $EYAS_HOME/data
+    max_per_source: int = 2000  # 0 = all
+    eval_fraction: float = 0.05
+    seed: int = 0
+
+
+@dataclass
+class SynthConfig:
+    """Stage 1: the target writes the assistant turns (vLLM in-process or endpoints)."""
+
+    target: str = ""
+    prompts: str = ""
+    out: str = ""
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    limit: int = 0  # 0 = every prompt
+    endpoint: list[str] = field(default_factory=list)  # OpenAI-compatible base URLs
+    concurrency: int = 8  # in flight per endpoint (or batch size in-process)
+    serve: bool = False  # start a local `vllm serve` for the target and drive it
+    chat_template: str = ""  # a template file, as `vllm serve --chat-template` takes it
+    turns: str = "regenerate"  # regenerate every assistant turn, or "last" only
+    max_model_len: int = 2048
+    kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+
+
+@dataclass
+class ExtractConfig:
+    """Stage 2: aux hidden states (+ final normed state) per token, with the loss mask."""
+
+    target: str = ""
+    data: str = ""
+    out: str = ""
+    backend: str = "hf"  # hf | vllm
+    mode: str = "offline"  # offline | online | streaming
+    layer_ids: list[int] = field(default_factory=list)  # empty: (2, L//2, L-3)
+    dtype: str = "bf16"  # bf16 | fp8
+    max_len: int = 2048
+    samples_per_shard: int = 64
+    limit: int = 0
+    verify: str = ""  # a feature dir to verify instead of extracting
+
+
+@dataclass
+class TrainConfig:
+    """Stage 3: cold-start EAGLE-3 head with the TTT loss under FSDP2."""
+
+    target: str = ""
+    features: str = ""
+    out: str = ""
+    source: str = "offline"  # offline | online | streaming
+    max_steps: int = 200
+    resume: bool = False
+    ttt_steps: int = 7
+    position_decay: float = 0.8
+    draft_vocab_size: int = 8192
+    lr: float = 1e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    grad_accum: int = 1
+    token_budget: int = 4096  # tokens per micro-batch per rank
+    max_len: int = 2048
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 100
+    eval_every: int = 0  # serve-eval every N steps (0: only at the end)
+    eval_prompts: str = ""
+    eval_limit: int = 16
+    precision: str = "auto"  # auto | bf16 | fp32
+    fc_norm: bool = False
+    freeze_embed: bool = True
+
+
+@dataclass
+class ExportConfig:
+    """Stage 5: a draft directory vLLM loads unchanged."""
+
+    run: str = ""
+    out: str = ""
+    checkpoint: str = "best"  # best | latest | step_N
+    format: str = "vllm"  # vllm | speculators
+    dtype: str = "bf16"  # bf16 | fp8
+    verify: bool = False
+
+
+@dataclass
+class EvalConfig:
+    """Stage 4: true acceptance length from vLLM's spec-decode counters."""
+
+    target: str = ""
+    draft: str = ""
+    prompts: str = ""
+    k: int = 3
+    max_tokens: int = 128
+    limit: int = 0
+    temperature: float = 0.0
+    max_model_len: int = 2048
+    kv_cache_gib: float = 2.0
+
+
+@dataclass
+class QuantizeConfig:
+    """MXFP4 (OCP MX) target in AMD Quark's format."""
+
+    model: str = ""
+    out: str = ""
+    scheme: str = "mxfp4"
+    exclude: list[str] = field(default_factory=lambda: ["lm_head"])
+    activations: str = "none"  # none | mxfp4
+    emulate: bool = False
+
+
+@dataclass
+class BenchConfig:
+    """Benchmarks: acceptance per domain / context bucket, throughput vs baseline."""
+
+    target: str = ""
+    draft: str = ""
+    out: str = ""
+    what: str = "all"
+    concurrency: list[int] = field(default_factory=lambda: [1, 4])
+    max_tokens: int = 128
+    limit: int = 16
+
+
+@dataclass
+class RunConfig:
+    """`eyas run`: where the end-to-end pipeline writes, and which target it trains for."""
+
+    target: str = "smollm2-135m-instruct"
+    out: str = "runs/demo"
+    quantized_target: bool = False
+
+
+@dataclass
+class Recipe:
+    run: RunConfig = field(default_factory=RunConfig)
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    synth: SynthConfig = field(default_factory=SynthConfig)
+    extract: ExtractConfig = field(default_factory=ExtractConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    quantize: QuantizeConfig = field(default_factory=QuantizeConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
+
+
+SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Coerce a YAML value to the annotated field type; ValueError names `where`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], where)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v != ""]
+        if not isinstance(value, (list, tuple)):
+            value = [value]
+        return [_coerce(v, item_tp, where) for v in value]
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+            return value.lower() in ("true", "1", "yes", "on")
+        raise ValueError(f"{where}: expected true/false, got {value!r}")
+    if tp in (int, float):
+        if isinstance(value, bool):
+            raise ValueError(f"{where}: expected a number, got {value!r}")
+        try:
+            out = tp(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+        if tp is int and isinstance(value, float) and value != out:
+            raise ValueError(f"{where}: expected an integer, got {value!r}")
+        return out
+    if tp is str:
+        if value is None:
+            return ""
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    raise AssertionError(f"unsupported config type {tp} at {where}")
+
+
+def _valid_keys(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def update_section(obj: Any, values: dict[str, Any], where: str) -> None:
+    """Set fields of a section dataclass from a mapping; unknown keys are refused."""
+    hints = typing.get_type_hints(type(obj))
+    for key, value in values.items():
+        if key not in hints:
+            raise ValueError(
+                f"{where}: unknown key {key!r}; valid keys of this section: {', '.join(_valid_keys(type(obj)))}"
+            )
+        setattr(obj, key, _coerce(value, hints[key], f"{where}.{key}"))
+
+
+def resolve_recipe_path(recipe: str) -> Path:
+    """A recipe is a name under `recipes/` (`demo`) or a path to a YAML file."""
+    p = Path(recipe)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ValueError(f"recipe file {p} does not exist")
+        return p
+    cand = RECIPES_DIR / f"{recipe}.yaml"
+    if not cand.exists():
+        names = sorted(x.stem for x in RECIPES_DIR.glob("*.yaml"))
+        raise ValueError(f"unknown recipe {recipe!r}; known recipes: {', '.join(names)} (or give a path to a .yaml)")
+    return cand
+
+
+def load_recipe(recipe: str | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Defaults, then the recipe file, then `section.field=value` overrides."""
+    cfg = Recipe()
+    if recipe:
+        path = resolve_recipe_path(recipe)
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path}: a recipe must be a mapping of sections ({', '.join(SECTIONS)})")
+        for section, values in raw.items():
+            if section not in SECTIONS:
+                raise ValueError(f"{path}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+            if not isinstance(values, dict):
+                raise ValueError(f"{path}: section {section!r} must be a mapping of keys")
+            update_section(getattr(cfg, section), values, f"{path.name}:{section}")
+    for ov in overrides or []:
+        apply_override(cfg, ov)
+    return cfg
+
+
+def apply_override(cfg: Recipe, override: str, default_section: str | None = None) -> None:
+    """Apply `section.key=value` (or `key=value` when a default section is given)."""
+    if "=" not in override:
+        raise ValueError(f"override {override!r} must look like section.key=value")
+    key, raw = override.split("=", 1)
+    if "." in key:
+        section, name = key.split(".", 1)
+    elif default_section:
+        section, name = default_section, key
+    else:
+        raise ValueError(f"override {override!r} must name its section: section.key=value ({', '.join(SECTIONS)})")
+    if section not in SECTIONS:
+        raise ValueError(f"override {override!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
+    value = yaml.safe_load(raw) if raw != "" else ""
+    update_section(getattr(cfg, section), {name: value}, f"override {section}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

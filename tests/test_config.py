@@ -1,0 +1,77 @@
+import subprocess
+import sys
+
+import pytest
+
+from eyas import config as C
+from eyas.cli import main
+
+
+def test_defaults_and_recipe():
+    cfg = C.load_recipe("demo")
+    assert cfg.train.ttt_steps == 7
+    assert cfg.run.target == "smollm2-135m-instruct"
+    assert isinstance(cfg.train.lr, float)
+
+
+def test_overrides_typed():
+    cfg = C.load_recipe("demo", ["train.max_steps=12", "train.lr=3e-4", "synth.endpoint=http://a,http://b", "train.resume=true"])
+    assert cfg.train.max_steps == 12 and cfg.train.lr == pytest.approx(3e-4)
+    assert cfg.synth.endpoint == ["http://a", "http://b"]
+    assert cfg.train.resume is True
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.no_such_key=1", "valid keys of this section: target, features"),
+        ("nosection.x=1", "unknown section 'nosection'"),
+        ("train.max_steps=abc", "train.max_steps: expected int"),
+        ("train.resume=maybe", "expected true/false"),
+        ("max_steps=3", "must name its section"),
+    ],
+)
+def test_bad_overrides_are_refused(override, needle):
+    with pytest.raises(ValueError, match=None) as e:
+        C.load_recipe("demo", [override])
+    assert needle in str(e.value)
+
+
+def test_bad_recipe_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("train:\n  lr: 1e-4\n  bogus: 2\n")
+    with pytest.raises(ValueError, match="r.yaml:train: unknown key 'bogus'"):
+        C.load_recipe(str(p))
+    p.write_text("trian:\n  lr: 1\n")
+    with pytest.raises(ValueError, match="unknown section 'trian'"):
+        C.load_recipe(str(p))
+    with pytest.raises(ValueError, match="unknown recipe"):
+        C.load_recipe("no-such-recipe")
+
+
+def test_cli_config_refuses_unknown_key(capsys):
+    assert main(["config", "--recipe", "demo", "train.no_such_key=1"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown key 'no_such_key'" in err and "max_steps" in err
+
+
+def test_cli_config_prints_resolved(capsys):
+    assert main(["config", "--recipe", "demo", "--section", "train", "train.max_steps=5"]) == 0
+    out = capsys.readouterr().out
+    assert "max_steps: 5" in out
+
+
+def test_stage_flags_map_to_section(capsys):
+    from eyas.cli import build_parser, resolve
+
+    args = build_parser().parse_args(["synth", "--recipe", "demo", "seed=3", "--max-tokens", "7", "--endpoint", "u1", "u2"])
+    cfg, actions = resolve(args, "synth")
+    assert cfg.synth.max_tokens == 7 and cfg.synth.endpoint == ["u1", "u2"] and cfg.synth.seed == 3
+    assert actions == []
+
+
+def test_python_m_eyas_help():
+    out = subprocess.run([sys.executable, "-m", "eyas", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0
+    for stage in ["models", "data", "synth", "extract", "train", "eval", "export", "quantize", "bench", "run", "config"]:
+        assert stage in out.stdout
