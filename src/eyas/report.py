@@ -1,0 +1,125 @@
+"""The end-of-run report: `report.json`, `report.md` and plots (matplotlib, Agg).
+
+Inputs are plain dicts produced by the stages (no recomputation here):
+- `eval`: `{"acceptance_length", "per_position": [...], "per_domain": {domain: al}, "tokens_per_s"}`
+- `serve_eval`: `[{"step", "true_al", "est_al", "eval_seconds"}, ...]`
+- `throughput`: `[{"concurrency", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup"}, ...]`
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eyas.manifest import atomic_write_text
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_al_per_position(per_position: list[float], out: Path, k: int | None = None) -> Path:
+    """Bar plot of the acceptance rate at each draft position (accepted_i / drafts)."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    xs = list(range(1, len(per_position) + 1))
+    ax.bar(xs, per_position, color="#3b6ea5")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.set_xticks(xs)
+    ax.set_title("vLLM acceptance per position" + (f" (k={k})" if k else ""))
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_al_over_training(records: list[dict[str, Any]], out: Path) -> Path:
+    """True (vLLM) vs estimated (trainer) acceptance length per checkpoint step."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    steps = [r["step"] for r in records]
+    ax.plot(steps, [r["true_al"] for r in records], "o-", label="true AL (vLLM)")
+    ax.plot(steps, [r["est_al"] for r in records], "s--", label="estimated AL (trainer)")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("acceptance length")
+    ax.legend()
+    ax.set_title("Serve-in-the-loop evaluation")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    conc = [r["concurrency"] for r in rows]
+    ax.plot(conc, [r["baseline_tokens_per_s"] for r in rows], "o-", label="target alone")
+    ax.plot(conc, [r["spec_tokens_per_s"] for r in rows], "s-", label="target + EAGLE-3 draft")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(conc)
+    ax.set_xticklabels([str(c) for c in conc])
+    ax.set_xlabel("concurrency")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    ax.set_title("Throughput vs concurrency")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _md_table(header: list[str], rows: list[list[Any]]) -> str:
+    def fmt(v: Any) -> str:
+        return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
+    """Write report.json, report.md and the plots that the data allows."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths: dict[str, Path] = {}
+    ev, se, tp = report.get("eval") or {}, report.get("serve_eval") or [], report.get("throughput") or []
+    if ev.get("per_position"):
+        paths["al_per_position"] = plot_al_per_position(ev["per_position"], out_dir / "al_per_position.png", ev.get("k"))
+    if se:
+        paths["al_over_training"] = plot_al_over_training(se, out_dir / "al_over_training.png")
+    if tp:
+        paths["throughput"] = plot_throughput(tp, out_dir / "throughput.png")
+    report = {**report, "plots": {k: str(v.name) for k, v in paths.items()}}
+    atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
+
+    md = [f"# eyas run report: {report.get('name', '')}", ""]
+    if ev:
+        md += [f"**Acceptance length (vLLM, k={ev.get('k')}, greedy, held-out prompts): "
+               f"{ev.get('acceptance_length', float('nan')):.3f}**", ""]
+        if ev.get("per_domain"):
+            md += [_md_table(["domain", "AL"], [[d, v] for d, v in sorted(ev["per_domain"].items())]), ""]
+        if ev.get("per_position"):
+            md += [_md_table(["position", "acceptance rate"], [[i + 1, v] for i, v in enumerate(ev["per_position"])]), ""]
+    if se:
+        md += ["## Serve-in-the-loop", "", _md_table(
+            ["step", "true AL", "estimated AL", "eval s"],
+            [[r["step"], r["true_al"], r["est_al"], r.get("eval_seconds", "")] for r in se]), ""]
+    if tp:
+        md += ["## Throughput", "", _md_table(
+            ["concurrency", "target tok/s", "spec tok/s", "speedup"],
+            [[r["concurrency"], r["baseline_tokens_per_s"], r["spec_tokens_per_s"], r["speedup"]] for r in tp]), ""]
+    if report.get("timings"):
+        md += ["## Stage timings (s)", "", _md_table(["stage", "seconds"], [[k, v] for k, v in report["timings"].items()]), ""]
+    if report.get("serve_command"):
+        md += ["## Deploy", "", "```bash", report["serve_command"], "```", ""]
+    md += [f"![{k}]({v.name})" for k, v in paths.items()]
+    atomic_write_text(out_dir / "report.md", "\n".join(md) + "\n")
+    return {"json": out_dir / "report.json", "md": out_dir / "report.md", **paths}
