@@ -51,12 +51,13 @@ class SynthConfig:
     seed: int = 0
     limit: int = 0  # 0 = every prompt
     endpoint: list[str] = field(default_factory=list)  # OpenAI-compatible base URLs
-    concurrency: int = 8  # in flight per endpoint (or batch size in-process)
+    concurrency: int = 8  # sequences in flight per endpoint or in the in-process engine (max_num_seqs)
     serve: bool = False  # start a local `vllm serve` for the target and drive it
     chat_template: str = ""  # a template file, as `vllm serve --chat-template` takes it
     turns: str = "regenerate"  # regenerate every assistant turn, or "last" only
     max_model_len: int = 2048
     kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE on CPU
+    enforce_eager: bool = True  # skip torch.compile: ~4x faster start-up on CPU, ~20% slower decode
 
 
 @dataclass
@@ -74,6 +75,14 @@ class ExtractConfig:
     samples_per_shard: int = 64
     limit: int = 0
     verify: str = ""  # a feature dir to verify instead of extracting
+    compute_dtype: str = "bf16"  # bf16 | fp32: the target's dtype in the hf backend (vllm: bf16)
+    device: str = "cpu"  # hf backend: where the target runs (cpu, cuda:0, ...)
+    batch_tokens: int = 8192  # hf backend: padded tokens per forward
+    chat_template: str = ""  # a template file, as `vllm serve --chat-template` takes it
+    kv_cache_gib: float = 1.0  # vllm backend: VLLM_CPU_KVCACHE_SPACE on CPU
+    connect: list[str] = field(default_factory=list)  # streaming: consumer addresses (tcp://host:port)
+    shard: str = ""  # streaming: "i/n" = this producer takes conversations i, i+n, ...
+    epochs: int = 1  # streaming: passes over the data (0 = until the consumers stop)
 
 
 @dataclass
@@ -106,6 +115,10 @@ class TrainConfig:
     precision: str = "auto"  # auto | bf16 | fp32
     fc_norm: bool = False
     freeze_embed: bool = True
+    layer_ids: list[int] = field(default_factory=list)  # online source: empty = (2, L//2, L-3); offline: the features'
+    lr_decay_steps: int = 0  # cosine horizon (0 = max_steps); fix it to stop early and resume on the same schedule
+    threads: int = 0  # torch intra-op threads per rank (0 = torch's default; 1 is fastest on a busy small CPU)
+    progress: bool = True  # tqdm bar on rank 0
 
 
 @dataclass
@@ -117,7 +130,10 @@ class ExportConfig:
     checkpoint: str = "best"  # best | latest | step_N
     format: str = "vllm"  # vllm | speculators
     dtype: str = "bf16"  # bf16 | fp8
-    verify: bool = False
+    verify: bool = False  # reload the draft in vLLM with the target and decode a few tokens speculatively
+    target: str = ""  # default: the target recorded in the checkpoint
+    k: int = 3  # num_speculative_tokens for --verify, the serve command and the speculators config
+    keep_embed: bool = False  # keep embed_tokens even when it equals the target's
 
 
 @dataclass
@@ -133,6 +149,10 @@ class EvalConfig:
     temperature: float = 0.0
     max_model_len: int = 2048
     kv_cache_gib: float = 2.0
+    out: str = ""  # write the JSON report here too
+    by_domain: bool = True  # one batch per domain in the same engine (per-domain counters)
+    timeout: int = 3600  # seconds for the vLLM subprocess
+    eager: bool = True  # no torch.compile / CUDA graphs: fast start, slower decode (AL unaffected)
 
 
 @dataclass
@@ -154,10 +174,14 @@ class BenchConfig:
     target: str = ""
     draft: str = ""
     out: str = ""
-    what: str = "all"
+    prompts: str = ""  # eval prompts JSONL (default: the held-out split of the data mix)
+    what: str = "al"  # al | throughput | extract | train | quant
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
+    context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 6144])  # prompt tokens
+    per_bucket: int = 4
+    k: int = 3
     max_tokens: int = 128
-    limit: int = 16
+    limit: int = 16  # prompts per domain
 
 
 @dataclass
@@ -166,7 +190,8 @@ class RunConfig:
 
     target: str = "smollm2-135m-instruct"
     out: str = "runs/demo"
-    quantized_target: bool = False
+    quantized_target: bool = False  # quantize the target to MXFP4 and run every stage against it
+    nproc: int = 1  # training ranks (torchrun) for `eyas run`
 
 
 @dataclass

@@ -1,0 +1,70 @@
+"""`eyas bench WHAT`: printed figures, measured side by side in one run.
+
+    al          acceptance length per domain and per context-length bucket (vLLM counters)
+    throughput  target + draft vs target alone, output tokens/s per concurrency (vLLM serving bench)
+    extract     extraction tokens/s per backend vs a plain prefill; bytes per token per dtype
+    train       training tokens/s and where the time goes
+    quant       MXFP4 vs bf16 perplexity / next-token agreement; quantizer speed
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+WHATS = ("al", "throughput", "extract", "train", "quant")
+
+
+def _write(out: str, name: str, result) -> None:
+    if out:
+        p = Path(out)
+        p.mkdir(parents=True, exist_ok=True)
+        (p / f"bench_{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+
+def _prompts(b) -> Path:
+    from eyas.data import build_mix, data_root
+    from eyas.config import DataConfig
+
+    if b.prompts:
+        return Path(b.prompts)
+    d = DataConfig()
+    return build_mix(d.sources, d.max_per_source, d.seed, data_root() / "mix", d.eval_fraction)["eval"]
+
+
+def cli(cfg, actions: list[str]) -> int:
+    from eyas.models import resolve_target
+
+    what = actions[0] if actions else cfg.bench.what
+    if what not in WHATS:
+        raise ValueError(f"unknown benchmark {what!r}; choose one of {', '.join(WHATS)}")
+    b = cfg.bench
+    target = resolve_target(b.target or cfg.run.target)
+    if what in ("al", "throughput") and not b.draft:
+        raise ValueError(f"eyas bench {what} needs --draft DIR (an exported draft, e.g. RUNDIR/draft)")
+    if what == "al":
+        from eyas.bench.acceptance import bench_acceptance
+
+        res = bench_acceptance(target, Path(b.draft), _prompts(b), b.context_buckets, b.per_bucket, b.limit,
+                               b.k, b.max_tokens)
+    elif what == "throughput":
+        from eyas.bench.throughput import bench_throughput
+        from eyas.bench.acceptance import domain_prompts
+
+        prompts = [r["messages"] for r in domain_prompts(_prompts(b), b.limit)]
+        res = bench_throughput(target, Path(b.draft), prompts, b.concurrency, b.max_tokens, b.k)
+        print(json.dumps(res, indent=2))
+    elif what == "extract":
+        from eyas.extract.bench import run_bench
+
+        res = run_bench(target)
+    elif what == "train":
+        from eyas.train.bench import run_bench
+
+        res = run_bench(str(target))
+    else:
+        from eyas.quant.bench import run_bench
+
+        res = run_bench(target)
+    _write(b.out, what, res)
+    return 0

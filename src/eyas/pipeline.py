@@ -1,0 +1,145 @@
+"""`eyas run`: every stage end to end, each writing into `RUNDIR/<stage>` with its manifest.
+
+    target ─▶ data mix ─▶ synth (vLLM) ─▶ extract ─▶ train (+ serve-eval in vLLM) ─▶ export ─▶ eval ─▶ bench
+
+A stage that finds its complete output skips itself, so a killed run re-run with the same
+command picks up where it stopped. The run ends with `report.json`, `report.md`, plots and
+the exact `vllm serve` command for the exported draft.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eyas.config import Recipe, to_dict
+from eyas.manifest import write_manifest
+
+
+def _stage(timings: dict[str, float], name: str):
+    class _T:
+        def __enter__(self):
+            self.t0 = time.perf_counter()
+            print(f"\n=== eyas run: {name} ===", flush=True)
+
+        def __exit__(self, *exc):
+            timings[name] = round(time.perf_counter() - self.t0, 1)
+            if exc[0] is None:
+                print(f"=== {name}: {timings[name]:.0f} s ===", flush=True)
+
+    return _T()
+
+
+def _train(cfg: Recipe, nproc: int) -> None:
+    """Train in-process (1 rank) or under torchrun (N ranks) with the same config."""
+    if nproc <= 1:
+        from eyas.train import train
+
+        train(cfg.train)
+        return
+    t = cfg.train
+    overrides = [f"train.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in to_dict(t).items()]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "eyas", "train", *overrides]
+    subprocess.run(cmd, check=True)
+
+
+def run(cfg: Recipe) -> dict[str, Any]:
+    from eyas.models import resolve_target
+
+    cfg = copy.deepcopy(cfg)
+    out = Path(cfg.run.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    report: dict[str, Any] = {"name": out.name, "config": to_dict(cfg)}
+
+    with _stage(timings, "target"):
+        target = resolve_target(cfg.run.target)
+        serve_target = target
+        if cfg.run.quantized_target:
+            from eyas.quant import quantize_model
+
+            cfg.quantize.model, cfg.quantize.out, cfg.quantize.emulate = str(target), str(out / "target_mxfp4"), True
+            q = quantize_model(cfg.quantize)
+            serve_target = Path(q["emulated"])
+        report["target"] = str(target)
+        report["served_target"] = str(serve_target)
+
+    with _stage(timings, "data"):
+        from eyas.data import build_mix
+
+        d = cfg.data
+        paths = build_mix(d.sources, d.max_per_source, d.seed, out / "data", d.eval_fraction)
+        train_prompts, eval_prompts = paths["train"], paths["eval"]
+
+    with _stage(timings, "synth"):
+        from eyas.synth import synthesize
+
+        s = cfg.synth
+        s.target, s.prompts, s.out = str(serve_target), str(train_prompts), str(out / "synth")
+        conversations = Path(synthesize(s)) / "conversations.jsonl"
+
+    with _stage(timings, "extract"):
+        e = cfg.extract
+        e.target, e.data, e.out = str(serve_target), str(conversations), str(out / "features")
+        if cfg.train.source == "offline":
+            from eyas.extract import extract
+
+            extract(e)
+
+    with _stage(timings, "train"):
+        t = cfg.train
+        t.target, t.features, t.out = str(serve_target), str(out / "features"), str(out / "train")
+        t.eval_prompts = t.eval_prompts or str(eval_prompts)
+        _train(cfg, cfg.run.nproc)
+
+    with _stage(timings, "export"):
+        from eyas.export import export_run
+
+        x = cfg.export
+        x.run, x.out, x.target = str(out / "train"), str(out / "draft"), str(serve_target)
+        draft = Path(export_run(x))
+
+    with _stage(timings, "eval"):
+        from eyas.evaluate import evaluate
+
+        v = cfg.eval
+        v.target, v.draft, v.prompts, v.out = str(serve_target), str(draft), str(eval_prompts), str(out / "eval.json")
+        report["eval"] = evaluate(v)
+
+    with _stage(timings, "bench"):
+        from eyas.bench.throughput import bench_throughput
+        from eyas.data import read_jsonl
+
+        b = cfg.bench
+        prompts = [[m for m in r["messages"] if m["role"] != "assistant"][:2] for r in read_jsonl(eval_prompts)]
+        report["throughput"] = bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens,
+                                                cfg.eval.k, out=out / "throughput.json")
+
+    from eyas.export import serve_command
+    from eyas.report import write_report
+
+    se = out / "train" / "serve_eval.jsonl"
+    report["serve_eval"] = [json.loads(x) for x in se.read_text().splitlines() if x.strip()] if se.exists() else []
+    report["timings"] = timings
+    report["serve_command"] = serve_command(serve_target, draft, cfg.eval.k, quantized=cfg.run.quantized_target)
+    paths_out = write_report(out, report)
+    write_manifest(out, "run", cfg, complete=True, timings=timings, report=str(paths_out["json"]))
+    print(f"\neyas run: acceptance length {report['eval'].get('acceptance_length', float('nan')):.3f} "
+          f"(k={cfg.eval.k}); report {paths_out['md']}")
+    print("serve it with:\n  " + report["serve_command"])
+    return report
+
+
+def cli(cfg: Recipe, actions: list[str]) -> int:
+    if actions:
+        raise ValueError(f"`eyas run` takes no actions (got {actions}); use --recipe, --out and section.key=value")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run(cfg)
+    return 0
