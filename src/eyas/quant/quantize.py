@@ -1,0 +1,243 @@
+"""Model-level MXFP4: a HF safetensors dir -> an AMD Quark-format checkpoint (+ a bf16 emulation copy).
+
+Shards are walked tensor by tensor and written one at a time (atomically), so a model
+larger than RAM quantizes shard by shard and a killed run resumes at the first missing
+shard. Every 2-D linear `X.weight` [out, in] becomes uint8 `X.weight` [out, in/2] plus
+uint8 `X.weight_scale` [out, in/32]; embeddings, norms, biases, MoE routers and excluded
+layers are copied unchanged. `config.json` gets the `quantization_config` that vLLM's
+`QuarkConfig` parses (weight-only, or with dynamic MXFP4 activations).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from eyas.manifest import read_manifest, tokenizer_hash, write_manifest
+from eyas.quant import mxfp4
+
+INDEX = "model.safetensors.index.json"
+EMULATED = "emulated"  # Q/emulated: dequantized bf16 copy that vLLM CPU serves
+WEIGHT_FILES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack")
+ALWAYS_EXCLUDE = ["lm_head"]  # vLLM's ParallelLMHead is not a Quark linear: it must stay bf16
+ROUTER_LEAVES = ("gate", "router")  # MoE routers [experts, hidden] stay bf16, listed in `exclude`
+EMBED_LEAVES = ("wte", "wpe")  # plus every leaf containing "embed"
+
+MXFP4_SPEC: dict[str, Any] = {  # one OCP MX tensor spec, as Quark exports it
+    "dtype": "fp4",
+    "qscheme": "per_group",
+    "group_size": mxfp4.BLOCK,
+    "ch_axis": -1,
+    "scale_format": "e8m0",
+    "scale_calculation_mode": "even",
+    "scale_type": "float",
+    "round_method": "half_even",
+    "symmetric": None,
+    "observer_cls": "PerBlockMXObserver",
+    "is_dynamic": False,
+}
+
+
+def quark_quantization_config(exclude: list[str], activations: str = "none") -> dict[str, Any]:
+    """The `quantization_config` of a Quark MXFP4 export (`activations`: none | mxfp4)."""
+    if activations not in ("none", "mxfp4"):
+        raise ValueError(f"quantize.activations must be none | mxfp4, got {activations!r}")
+    return {
+        "quant_method": "quark",
+        "quant_mode": "eager_mode",
+        "export": {
+            "kv_cache_group": [],
+            "min_kv_scale": 0.0,
+            "pack_method": "reorder",
+            "weight_format": "real_quantized",
+            "weight_merge_groups": None,
+        },
+        "global_quant_config": {
+            "weight": dict(MXFP4_SPEC),
+            "input_tensors": {**MXFP4_SPEC, "is_dynamic": True} if activations == "mxfp4" else None,
+            "output_tensors": None,
+            "bias": None,
+            "target_device": None,
+        },
+        "layer_quant_config": {},
+        "layer_type_quant_config": {},
+        "exclude": exclude,
+        "algo_config": None,
+    }
+
+
+def matches(module: str, patterns: list[str]) -> bool:
+    """vLLM's exclude rule: an exact module name, or `re:REGEX` matched at the start (re.match)."""
+    return any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in patterns)
+
+
+def classify(name: str, shape: tuple[int, ...], exclude: list[str]) -> str:
+    """quantize | router | excluded | keep, for one checkpoint tensor."""
+    if not name.endswith(".weight") or len(shape) != 2:
+        return "keep"  # norms, biases, buffers, conv / fused 3-D tensors
+    module = name.removesuffix(".weight")
+    leaf = module.rsplit(".", 1)[-1]
+    if "embed" in leaf or leaf in EMBED_LEAVES:
+        return "keep"
+    if matches(module, exclude):
+        return "excluded"
+    if leaf in ROUTER_LEAVES or leaf.endswith("_gate"):
+        return "router"
+    return "quantize"
+
+
+def _shards(src: Path) -> list[str]:
+    if (src / INDEX).exists():
+        return sorted(set(json.loads((src / INDEX).read_text())["weight_map"].values()))
+    if (src / "model.safetensors").exists():
+        return ["model.safetensors"]
+    raise ValueError(f"{src}: no model.safetensors or {INDEX}; eyas quantize reads safetensors checkpoints")
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.replace(tmp, path)
+
+
+def _copy_side_files(src: Path, dst: Path, config: dict[str, Any]) -> None:
+    """config.json (given), tokenizer, chat template, generation config: every non-weight file."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in src.iterdir():
+        if p.is_file() and not p.name.endswith(WEIGHT_FILES) and p.name not in (INDEX, "config.json", "manifest.json"):
+            shutil.copy(p, dst / p.name)
+    (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def _prepare_out(out: Path, plan: dict[str, Any]) -> bool:
+    """True when `out` holds a partial run of this same plan (resume its finished shards)."""
+    if not out.exists() or not any(out.iterdir()):
+        return False
+    man = read_manifest(out)
+    if man is None or man.get("stage") != "quantize":
+        raise ValueError(f"{out} exists and is not an eyas quantize output; choose another --out or delete it")
+    return man.get("plan") == plan
+
+
+def quantize_model(cfg, log=print) -> dict[str, Any]:
+    """Quantize `cfg.model` (a QuantizeConfig) into `cfg.out`; returns its manifest (`out`, `emulated`, counts)."""
+    from eyas.models import resolve_target
+
+    if cfg.scheme != "mxfp4":
+        raise ValueError(f"quantize.scheme must be mxfp4, got {cfg.scheme!r}")
+    if not cfg.out:
+        raise ValueError("no output dir: pass --out DIR")
+    src, out = resolve_target(cfg.model), Path(cfg.out).expanduser()
+    if src.resolve() == out.resolve():
+        raise ValueError(f"--out {out} is the source model dir; choose another")
+    config = json.loads((src / "config.json").read_text())
+    if config.get("quantization_config"):
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ValueError(f"{src} is already quantized (quantization_config.quant_method={method!r}); give a bf16 model")
+    exclude = list(dict.fromkeys(ALWAYS_EXCLUDE + list(cfg.exclude)))
+    plan = {"config": dataclasses.asdict(cfg), "source": str(src.resolve()), "exclude": exclude}
+    man = read_manifest(out) if out.exists() else None
+    if man and man.get("complete") and man.get("plan") == plan:
+        log(f"eyas quantize: {out} is complete for this model and config; skipping")
+        return man
+    resume = _prepare_out(out, plan)
+    write_manifest(out, "quantize", cfg, complete=False, plan=plan)
+    emu = out / EMULATED
+    if not cfg.emulate and emu.exists():
+        shutil.rmtree(emu)
+
+    t0, counts = time.time(), {"quantize": 0, "router": 0, "excluded": 0, "keep": 0}
+    params = {"quantized": 0, "kept": 0}
+    routers: list[str] = []
+    weight_map: dict[str, str] = {}
+    for shard in _shards(src):
+        with safe_open(src / shard, framework="pt") as f:
+            shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
+            kinds = {n: classify(n, shape, exclude) for n, shape in shapes.items()}
+            for name, kind in kinds.items():
+                counts[kind] += 1
+                params["quantized" if kind == "quantize" else "kept"] += math.prod(shapes[name])
+                routers += [name.removesuffix(".weight")] if kind == "router" else []
+                weight_map.update({k: shard for k in ([name, name + "_scale"] if kind == "quantize" else [name])})
+            if resume and (out / shard).exists() and (not cfg.emulate or (emu / shard).exists()):
+                log(f"eyas quantize: {shard} already written; resuming after it")
+                continue
+            q: dict[str, torch.Tensor] = {}  # this shard's Quark tensors
+            e: dict[str, torch.Tensor] = {}  # and its bf16 emulation (--emulate)
+            for name, kind in kinds.items():
+                t = f.get_tensor(name)
+                if kind == "quantize":
+                    packed, scales = mxfp4.quantize(t, name=name)  # [out, in/2], [out, in/32]
+                    q[name], q[name + "_scale"] = packed, scales
+                    if cfg.emulate:
+                        e[name] = mxfp4.dequantize(packed, scales, torch.bfloat16)
+                else:
+                    q[name] = t
+                    if cfg.emulate:
+                        e[name] = t
+        _save(q, out / shard)
+        if cfg.emulate:
+            emu.mkdir(parents=True, exist_ok=True)
+            _save(e, emu / shard)
+        del q, e
+        log(f"eyas quantize: {shard} done ({time.time() - t0:.1f}s)")
+
+    exclude_all = exclude + routers
+    qconfig = {**config, "quantization_config": quark_quantization_config(exclude_all, cfg.activations)}
+    _copy_side_files(src, out, qconfig)
+    bytes_out = sum((out / s).stat().st_size for s in set(weight_map.values()))
+    if (src / INDEX).exists():
+        index = {"metadata": {"total_size": bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    fields: dict[str, Any] = dict(
+        plan=plan,
+        out=str(out),
+        source=str(src),
+        scheme="mxfp4 (OCP MX v1.0, Quark format, scale rule even)",
+        activations=cfg.activations,
+        exclude=exclude_all,
+        tensors=counts,
+        params=params,
+        bytes_in=sum((src / s).stat().st_size for s in _shards(src)),
+        bytes_out=bytes_out,
+        seconds=round(time.time() - t0, 2),
+        tokenizer_hash=tokenizer_hash(src),
+        emulated=None,
+    )
+    if cfg.emulate:
+        _copy_side_files(src, emu, config)
+        if (src / INDEX).exists():
+            shutil.copy(src / INDEX, emu / INDEX)
+        fields["emulated"] = str(emu)
+        fields["bytes_emulated"] = sum((emu / s).stat().st_size for s in _shards(src))
+        write_manifest(
+            emu, "quantize-emulated", cfg, complete=True, quantized=str(out), tokenizer_hash=fields["tokenizer_hash"],
+            note="MXFP4 weights dequantized to bf16 (weight-only emulation; activations are not quantized here)",
+        )
+    return write_manifest(out, "quantize", cfg, complete=True, **fields)
+
+
+def cli_main(cfg, actions: list[str]) -> int:
+    if actions:
+        raise ValueError(f"eyas quantize takes no actions, got {actions}; usage: eyas quantize --model DIR --out Q")
+    if not cfg.quantize.model:
+        raise ValueError("no model: pass --model NAME|DIR")
+    man = quantize_model(cfg.quantize, log=lambda m: print(m, file=sys.stderr))
+    print(
+        f"{man['out']}: {man['tensors']['quantize']} tensors MXFP4, {man['bytes_in'] / 2**20:.1f} MiB -> "
+        f"{man['bytes_out'] / 2**20:.1f} MiB in {man['seconds']}s"
+        + (f"; emulated copy {man['emulated']}" if man["emulated"] else "")
+    )
+    return 0
