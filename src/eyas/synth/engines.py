@@ -1,0 +1,190 @@
+"""Engines for synthesis: prompt token ids in, completions out.
+
+Both engines take the ids eyas.chat rendered with the serving template, so the target
+runs exactly those ids: in-process through `vllm.LLM.generate(TokensPrompt)`, over HTTP
+through `/v1/completions` with the prompt as a list of ids. Any HF model dir works as a
+target, a quantized one (`eyas quantize --emulate`) included; vLLM is imported lazily.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+RETRIES = 5  # tries per request / connection before an endpoint counts as unreachable
+BACKOFF_S = 1.0  # first wait between tries, doubled each time
+TIMEOUT_S = 600.0  # one HTTP request
+
+
+class EngineError(RuntimeError):
+    """The engine cannot serve at all (unreachable endpoint, dead server)."""
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_ids: list[int]  # [T] rendered by eyas.chat.render_prompt_ids
+    max_tokens: int
+    seed: int
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reason: str = ""
+    error: str | None = None  # a request the engine refused (the run goes on without it)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+
+
+OnDone = Callable[[Completion], None]
+
+
+class InProcessEngine:
+    """`vllm.LLM` in this process; build it under `if __name__ == "__main__":` (spawned workers)."""
+
+    def __init__(self, model: str, *, max_model_len: int = 2048, kv_cache_gib: float = 2.0, seed: int = 0,
+                 enforce_eager: bool = True, dtype: str = "bfloat16", max_num_seqs: int = 256):
+        from vllm import LLM
+
+        # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
+        self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
+                       kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,
+                       max_num_seqs=max_num_seqs, disable_log_stats=True)
+        self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def generate(self, reqs: list[Request], sampling: Sampling, on_done: OnDone | None = None) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = [SamplingParams(max_tokens=r.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                                 seed=r.seed) for r in reqs]
+        try:
+            outs = self.llm.generate([TokensPrompt(prompt_token_ids=r.prompt_ids) for r in reqs], params,
+                                     use_tqdm=False)
+        except ValueError as e:  # a request vLLM refuses; the engine itself is fine
+            return [Completion(error=f"vLLM refused the batch: {e}") for _ in reqs]
+        res = []
+        for o in outs:
+            c = o.outputs[0]
+            res.append(Completion(c.text, len(c.token_ids), len(o.prompt_token_ids), str(c.finish_reason)))
+            if on_done:
+                on_done(res[-1])
+        return res
+
+    def close(self) -> None:
+        del self.llm
+
+
+class EndpointEngine:
+    """OpenAI-compatible `vllm serve` endpoints; `concurrency` requests in flight on each.
+
+    Connection errors, 5xx and 429 are retried with exponential backoff; after `retries`
+    tries the endpoint counts as unreachable and `generate` raises EngineError. Other 4xx
+    answers fail that request only.
+    """
+
+    def __init__(self, urls: list[str], concurrency: int = 8, retries: int | None = None,
+                 backoff_s: float | None = None):
+        import requests
+
+        if not urls:
+            raise ValueError("EndpointEngine needs at least one endpoint URL")
+        self.urls = [u.rstrip("/").removesuffix("/v1") for u in urls]
+        self.concurrency = max(1, concurrency)
+        self.retries = RETRIES if retries is None else retries
+        self.backoff_s = BACKOFF_S if backoff_s is None else backoff_s
+        self._local = threading.local()
+        self._requests = requests
+        self.models = {u: self._call(u, "GET", "/v1/models")["data"][0]["id"] for u in self.urls}
+        self.max_model_len = min(
+            self.tokenize_chat([{"role": "user", "content": "hi"}], u)[1] or 1 << 30 for u in self.urls
+        )
+
+    def _session(self):
+        if not hasattr(self._local, "s"):
+            self._local.s = self._requests.Session()
+        return self._local.s
+
+    def _call(self, url: str, method: str, path: str, body: dict | None = None) -> dict:
+        """One HTTP call with retries; a 4xx other than 408/429 raises ValueError at once."""
+        last = ""
+        for i in range(self.retries):
+            if i:
+                time.sleep(self.backoff_s * 2 ** (i - 1))
+            try:
+                r = self._session().request(method, url + path, json=body, timeout=TIMEOUT_S)
+            except self._requests.RequestException as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code < 400:
+                return r.json()
+            last = f"HTTP {r.status_code}: {r.text[:300]}"
+            if r.status_code < 500 and r.status_code not in (408, 429):
+                raise ValueError(last)
+        raise EngineError(
+            f"endpoint {url} unreachable: {method} {path} failed {self.retries} times, last: {last}. "
+            f"Is a vLLM OpenAI server running there (`python -m vllm.entrypoints.openai.api_server --model DIR`)?"
+        )
+
+    def tokenize_chat(self, messages: list[dict], url: str | None = None) -> tuple[list[int], int | None]:
+        """The server's own rendering of a chat (its /tokenize) and its max_model_len."""
+        url = url or self.urls[0]
+        body = {"model": self.models[url], "messages": messages, "add_generation_prompt": True}
+        out = self._call(url, "POST", "/tokenize", body)
+        return out["tokens"], out.get("max_model_len")
+
+    def _complete(self, url: str, r: Request, sampling: Sampling) -> Completion:
+        body = {"model": self.models[url], "prompt": r.prompt_ids, "max_tokens": r.max_tokens,
+                "temperature": sampling.temperature, "top_p": sampling.top_p, "seed": r.seed}
+        try:
+            out = self._call(url, "POST", "/v1/completions", body)
+        except ValueError as e:
+            return Completion(error=str(e))
+        c, usage = out["choices"][0], out["usage"]
+        return Completion(c["text"], usage["completion_tokens"], usage["prompt_tokens"], str(c["finish_reason"]))
+
+    def generate(self, reqs: list[Request], sampling: Sampling, on_done: OnDone | None = None) -> list[Completion]:
+        todo: queue.Queue[int] = queue.Queue()
+        for i in range(len(reqs)):
+            todo.put(i)
+        res: list[Completion | None] = [None] * len(reqs)
+        fatal: list[EngineError] = []
+        lock = threading.Lock()
+
+        def worker(url: str) -> None:
+            while not fatal:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    res[i] = self._complete(url, reqs[i], sampling)
+                except EngineError as e:
+                    fatal.append(e)
+                    return
+                if on_done:
+                    with lock:
+                        on_done(res[i])  # type: ignore[arg-type]
+
+        threads = [threading.Thread(target=worker, args=(u,), daemon=True)
+                   for u in self.urls for _ in range(min(self.concurrency, len(reqs)))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if fatal:
+            raise fatal[0]
+        assert all(r is not None for r in res)
+        return res  # type: ignore[return-value]
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,368 @@
+"""Stage 1 (synth): driver logic against fake engines (fast), then vLLM in-process and served (slow)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
+from eyas.config import Recipe, SynthConfig
+from eyas.manifest import read_manifest
+from eyas.synth import OUT_FILE, cli, plan_points, scan_jsonl, synthesize
+from eyas.synth import engines as E
+from eyas.synth.server import free_port
+
+U = lambda s: {"role": "user", "content": s}  # noqa: E731
+A = lambda s: {"role": "assistant", "content": s}  # noqa: E731
+S = lambda s: {"role": "system", "content": s}  # noqa: E731
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def read_out(out: Path) -> dict[str, dict]:
+    rows = [json.loads(x) for x in (out / OUT_FILE).read_text().splitlines()]
+    assert len({r["id"] for r in rows}) == len(rows), "an id written twice"
+    return {r["id"]: r for r in rows}
+
+
+class FakeEngine:
+    """Replies `r<prompt length>`; a prompt containing EMPTY gets "", one containing FAIL an error."""
+
+    max_model_len = 2048
+
+    def __init__(self, tok, fail: bool = True):
+        self.tok, self.fail, self.calls = tok, fail, []
+
+    def generate(self, reqs, sampling, on_done=None):
+        self.calls.append(reqs)
+        outs = []
+        for r in reqs:
+            text = self.tok.decode(r.prompt_ids)
+            c = E.Completion(f"r{len(r.prompt_ids)}", 2, len(r.prompt_ids), "stop")
+            if "EMPTY" in text:
+                c.text = " "
+            if "FAIL" in text and self.fail:
+                c = E.Completion(error="HTTP 400: refused")
+            outs.append(c)
+            if on_done:
+                on_done(c)
+        return outs
+
+
+# ---------------------------------------------------------------- fast: no vLLM
+
+
+def test_plan_points():
+    conv = [S("s"), U("u1"), A("a1"), U("u2"), A("a2")]
+    assert plan_points(conv, "regenerate") == [[S("s"), U("u1")], [U("u2")]]
+    assert plan_points(conv, "last") == [[S("s"), U("u1"), A("a1"), U("u2")]]
+    assert plan_points([U("u1"), U("u2"), A("a"), A("b"), U("u3")], "regenerate") == [[U("u1"), U("u2")], [U("u3")]]
+    assert plan_points([S("s"), A("hello"), U("u")], "regenerate") == [[S("s"), U("u")]]
+
+
+@pytest.fixture(scope="module")
+def tok_template(embedded_target):
+    return load_tokenizer(embedded_target), load_chat_template(embedded_target)
+
+
+def test_skips_multiturn_failures_and_rerun(tmp_path, embedded_target, tok_template):
+    tok, template = tok_template
+    prompts = write_jsonl(tmp_path / "p.jsonl", [
+        {"id": "one", "domain": "d", "messages": [U("hello")]},
+        {"id": "multi", "domain": "d", "messages": [S("sys"), U("q1"), A("old"), U("q2"), A("trailing")]},
+        {"id": "nouser", "messages": [S("s"), A("a")]},
+        {"id": "empty", "messages": [U("  ")]},
+        {"id": "role", "messages": [{"role": "tool", "content": "x"}, U("u")]},
+        "{not json",
+        {"id": "one", "messages": [U("dup")]},
+        {"messages": [U("no id")]},
+        {"id": "long", "messages": [U("word " * 400)]},
+        {"id": "emptyreply", "messages": [U("EMPTY please")]},
+        {"id": "fails", "messages": [U("FAIL please")]},
+    ])
+    cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"),
+                      max_tokens=32, max_model_len=300, concurrency=3)
+    eng = FakeEngine(tok)
+    out = synthesize(cfg, engine=eng)
+    rows, man = read_out(out), read_manifest(out)
+    assert set(rows) == {"one", "multi"}
+    m = rows["multi"]["messages"]
+    assert [x["role"] for x in m] == ["system", "user", "assistant", "user", "assistant"]
+    assert "old" not in json.dumps(m) and "trailing" not in json.dumps(m)
+    # the second turn was prompted with the target's own first answer, rendered by eyas.chat
+    prompts_seen = [r.prompt_ids for call in eng.calls for r in call]
+    assert render_prompt_ids(tok, m[:4], template) in prompts_seen
+    assert rows["multi"]["meta"]["finish_reasons"] == ["stop", "stop"]
+    assert man["skip_reasons"] == {"no_user_turn": 1, "empty_content": 1, "unknown_role": 1, "invalid_json": 1,
+                                   "duplicate_id": 1, "missing_id": 1, "prompt_too_long": 1, "empty_reply": 1}
+    assert man["counts"] == {"ok": 2, "failed": 1, "skipped": 8, "pending": 0, "turns": 3}
+    assert man["failed_reasons"] == {"HTTP 400": 1} and man["complete"] is False
+    # the re-run retries the failed row only, then completes; a third run does nothing
+    eng2 = FakeEngine(tok, fail=False)
+    synthesize(cfg, engine=eng2)
+    assert [len(c) for c in eng2.calls] == [1]
+    assert set(read_out(out)) == {"one", "multi", "fails"} and read_manifest(out)["complete"] is True
+    eng3 = FakeEngine(tok)
+    synthesize(cfg, engine=eng3)
+    assert eng3.calls == []
+    with pytest.raises(ValueError, match="differs in: max_tokens"):
+        synthesize(SynthConfig(**{**cfg.__dict__, "max_tokens": 16}), engine=eng3)
+
+
+def test_turns_last_keeps_history(tmp_path, embedded_target, tok_template):
+    tok, template = tok_template
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": 7, "messages": [U("q1"), A("kept"), U("q2"), A("x")]}])
+    cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"), turns="last")
+    eng = FakeEngine(tok)
+    rows = read_out(synthesize(cfg, engine=eng))
+    assert len(eng.calls) == 1 and eng.calls[0][0].prompt_ids == render_prompt_ids(tok, [U("q1"), A("kept"), U("q2")],
+                                                                                  template)
+    assert rows[7]["messages"][:3] == [U("q1"), A("kept"), U("q2")] and rows[7]["messages"][3]["content"] != "x"
+
+
+def test_resume_cuts_torn_last_line(tmp_path, embedded_target, tok_template):
+    tok, _ = tok_template
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "messages": [U(f"q{i}")]} for i in range(5)])
+    cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"), concurrency=2)
+    out = synthesize(cfg, engine=FakeEngine(tok))
+    # simulate a kill mid-write: the last line half written, the manifest not yet complete
+    f = out / OUT_FILE
+    data = f.read_bytes()
+    f.write_bytes(data[: data.rfind(b"\n", 0, len(data) - 1) + 20])
+    man = json.loads((out / "manifest.json").read_text())
+    (out / "manifest.json").write_text(json.dumps({**man, "complete": False}))
+    eng = FakeEngine(tok)
+    synthesize(cfg, engine=eng)
+    assert [len(c) for c in eng.calls] == [1]  # only the torn row is redone
+    assert sorted(read_out(out)) == [f"r{i}" for i in range(5)]
+    # a corrupt line that is not the last one is an error, never silently dropped
+    lines = f.read_text().splitlines(keepends=True)
+    f.write_text(lines[0] + "{torn\n" + "".join(lines[1:]))
+    with pytest.raises(ValueError, match="corrupt line"):
+        scan_jsonl(f)
+
+
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """A tiny OpenAI-compatible server: /v1/models, /tokenize, /v1/completions (503 after `die_after`)."""
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code: int, obj) -> None:
+        body = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        self._send(200, {"data": [{"id": "fake"}]})
+
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        srv = self.server
+        if self.path == "/tokenize":
+            ids = render_prompt_ids(srv.tok, req["messages"], srv.template) + srv.extra_ids
+            return self._send(200, {"tokens": ids, "count": len(ids), "max_model_len": 2048})
+        with srv.lock:
+            srv.n += 1
+            n = srv.n
+        if n > srv.die_after:
+            return self._send(503, {"error": "overloaded"})
+        self._send(200, {"choices": [{"text": f"r{len(req['prompt'])}", "finish_reason": "stop"}],
+                         "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": 2}})
+
+
+@pytest.fixture
+def fake_openai(tok_template):
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    srv.tok, srv.template = tok_template
+    srv.n, srv.die_after, srv.lock, srv.extra_ids = 0, 10**9, threading.Lock(), []
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv
+    srv.shutdown()
+
+
+def test_endpoint_engine_retries_then_clear_error(tmp_path, embedded_target, fake_openai, monkeypatch, capsys):
+    monkeypatch.setattr(E, "BACKOFF_S", 0.01)
+    monkeypatch.setattr(E, "RETRIES", 3)
+    t0 = time.monotonic()
+    with pytest.raises(E.EngineError, match="unreachable.*failed 3 times"):
+        E.EndpointEngine([f"http://127.0.0.1:{free_port()}"])
+    assert time.monotonic() - t0 < 10
+    # a server that dies mid-run: rows of finished batches stay, the CLI says what happened, a re-run resumes
+    url = f"http://127.0.0.1:{fake_openai.server_address[1]}/v1"
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "messages": [U(f"q{i}")]} for i in range(20)])
+    recipe = Recipe()
+    recipe.synth = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"),
+                               endpoint=[url, url], concurrency=2)  # batches of 2 * 4 * 2 = 16
+    fake_openai.die_after = 16
+    assert cli(recipe, []) == 1
+    assert "unreachable" in capsys.readouterr().err
+    out = tmp_path / "out"
+    assert len(read_out(out)) == 16 and read_manifest(out)["complete"] is False
+    fake_openai.die_after = 10**9
+    assert cli(recipe, []) == 0
+    assert sorted(read_out(out)) == list(range(20)) and read_manifest(out)["complete"] is True
+    # an endpoint that renders chats differently from our template is refused
+    fake_openai.extra_ids = [0]
+    recipe.synth.out = str(tmp_path / "out2")
+    with pytest.raises(ValueError, match="renders chats differently"):
+        synthesize(recipe.synth)
+
+
+# ---------------------------------------------------------------- slow: vLLM
+
+MAX_TOKENS = 32
+ROWS = [
+    {"id": "capital", "domain": "general", "messages": [U("What is the capital of France?")]},
+    {"id": "math", "domain": "math", "messages": [U("What is 12 times 7?"), A("an answer to replace")]},
+    {"id": "sys", "domain": "general", "messages": [S("You are a terse assistant."), U("Name three colors.")]},
+    {"id": "multi", "domain": "chat", "messages": [U("Hi! Who are you?"), A("x"), U("Tell me a joke.")]},
+    {"id": "code", "domain": "code", "messages": [U("Write a Python function that adds two numbers.")]},
+    {"id": "story", "domain": "general", "messages": [U("Write the first line of a story about a hawk.")]},
+]
+RENDER = [
+    [U("Hello there.")],
+    [S("You answer in French."), U("Hi"), A("Bonjour !"), U("How are you?")],
+    [U("2+2?"), A("4"), U("and 3+3?"), A("6"), U("and 4+4?")],
+]
+DIRECT = r'''
+import json, sys
+
+def main():
+    from vllm import LLM, SamplingParams
+    a = json.load(open(sys.argv[1]))
+    llm = LLM(model=a["model"], max_model_len=2048, dtype="bfloat16", enforce_eager=True, seed=0,
+              kv_cache_memory_bytes=1 << 30, disable_log_stats=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"])
+    replies = {}
+    for row in a["rows"]:  # regenerate by hand: one LLM.chat per user turn, on the target's own answers
+        hist = []
+        for m in row["messages"]:
+            if m["role"] == "assistant":
+                continue
+            hist.append(m)
+            if m["role"] == "user":
+                hist.append({"role": "assistant", "content": llm.chat([hist], sp, use_tqdm=False)[0].outputs[0].text})
+        replies[row["id"]] = hist
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    renders = {name: [llm.chat([c], one, use_tqdm=False, chat_template=t)[0].prompt_token_ids for c in a["render"]]
+               for name, t in (("default", None), ("custom", a["custom_template"]))}
+    json.dump({"replies": replies, "renders": renders}, open(sys.argv[2], "w"))
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def run_eyas(args: list[str], **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "eyas", "synth", *args], start_new_session=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def slow_inputs(tmp_path_factory, embedded_target):
+    d = tmp_path_factory.mktemp("synth_slow")
+    template = load_chat_template(embedded_target)
+    custom = template.replace("You are a helpful AI assistant named SmolLM, trained by Hugging Face", "You are Eyas.")
+    assert custom != template
+    (d / "custom.jinja").write_text(custom)
+    return d, write_jsonl(d / "prompts.jsonl", ROWS), custom
+
+
+@pytest.fixture(scope="module")
+def direct(slow_inputs, embedded_target):
+    """Greedy replies and prompt ids straight from `vllm.LLM.chat` (in a subprocess)."""
+    d, _, custom = slow_inputs
+    (d / "direct.py").write_text(DIRECT)
+    (d / "args.json").write_text(json.dumps({"model": str(embedded_target), "max_tokens": MAX_TOKENS, "rows": ROWS,
+                                              "render": RENDER, "custom_template": custom}))
+    subprocess.run([sys.executable, str(d / "direct.py"), str(d / "args.json"), str(d / "direct.json")], check=True,
+                   timeout=600, stdout=subprocess.DEVNULL)
+    return json.loads((d / "direct.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def inproc(slow_inputs, embedded_target):
+    """`eyas synth` in-process, SIGKILLed after its first written batch, then re-run to the end."""
+    d, prompts, _ = slow_inputs
+    out = d / "inproc"
+    args = ["--target", str(embedded_target), "--prompts", str(prompts), "--out", str(out),
+            "--max-tokens", str(MAX_TOKENS), "--concurrency", "1", "--kv-cache-gib", "1"]
+    p = run_eyas(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0 = time.monotonic()
+        while not ((out / OUT_FILE).exists() and (out / OUT_FILE).read_bytes().count(b"\n") >= 1):
+            assert p.poll() is None and time.monotonic() - t0 < 300, "first synth run ended before writing a row"
+            time.sleep(0.05)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+    n_killed = len(read_out(out))
+    t0 = time.monotonic()
+    p = run_eyas(args, stderr=subprocess.PIPE, text=True)
+    err = p.communicate(timeout=600)[1]
+    assert p.returncode == 0, err[-3000:]
+    return out, n_killed, err, time.monotonic() - t0
+
+
+@pytest.mark.slow
+def test_inprocess_matches_direct_llm_chat_and_survives_kill9(inproc, direct):
+    out, n_killed, err, _ = inproc
+    rows, man = read_out(out), read_manifest(out)
+    assert 1 <= n_killed < len(ROWS), "the kill did not land mid-run"
+    assert sorted(rows) == sorted(r["id"] for r in ROWS) and man["complete"] is True
+    for rid, hist in direct["replies"].items():
+        assert rows[rid]["messages"] == hist, rid
+    assert rows["multi"]["meta"]["finish_reasons"][0] in ("stop", "length")
+    assert "tokens/s" in err
+    # re-running a finished config does nothing
+    p = run_eyas(["--target", man["config"]["target"], "--prompts", man["config"]["prompts"], "--out", str(out),
+                  "--max-tokens", str(MAX_TOKENS), "--concurrency", "1", "--kv-cache-gib", "1"],
+                 stderr=subprocess.PIPE, text=True)
+    assert p.communicate(timeout=120)[1].count("nothing to do") == 1 and p.returncode == 0
+
+
+@pytest.mark.slow
+def test_rendering_equals_vllm_llm_chat(direct, embedded_target, slow_inputs):
+    tok = load_tokenizer(embedded_target)
+    for name, template in (("default", load_chat_template(embedded_target)), ("custom", slow_inputs[2])):
+        assert direct["renders"][name] == [render_prompt_ids(tok, c, template) for c in RENDER], name
+
+
+@pytest.fixture(scope="module")
+def server(embedded_target):
+    from eyas.synth.server import VllmServer
+
+    with VllmServer(embedded_target, kv_cache_gib=1) as srv:
+        yield srv
+
+
+@pytest.mark.slow
+def test_endpoint_matches_inprocess_and_server_renders_like_us(server, inproc, slow_inputs, embedded_target):
+    d, prompts, _ = slow_inputs
+    cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(d / "endpoint"),
+                      max_tokens=MAX_TOKENS, endpoint=[server.url], concurrency=1)
+    out = synthesize(cfg)
+    ours, theirs = read_out(inproc[0]), read_out(out)
+    assert {k: v["messages"] for k, v in theirs.items()} == {k: v["messages"] for k, v in ours.items()}
+    assert read_manifest(out)["last_run"]["engine"] == "endpoint"
+    tok, template = load_tokenizer(embedded_target), load_chat_template(embedded_target)
+    eng = E.EndpointEngine([server.url])
+    for conv in RENDER:
+        assert eng.tokenize_chat(conv)[0] == render_prompt_ids(tok, conv, template)
