@@ -59,7 +59,7 @@ def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]]
     results: dict[str, dict[int, dict]] = {}
     for mode, extra in modes.items():
         results[mode] = {}
-        with VllmServer(target, extra_args=extra, kv_cache_gib=kv_cache_gib) as srv:
+        with VllmServer(target, extra_args=extra, kv_cache_gib=kv_cache_gib, log_stats=True) as srv:
             for c in concurrency:
                 n = prompts_per_level or max(2 * c, 4)
                 batch = [prompts[i % len(prompts)] for i in range(n)]

@@ -32,14 +32,14 @@ class VllmServer:
                  max_model_len: int = 2048, kv_cache_gib: float = 1.0, dtype: str = "bfloat16",
                  enforce_eager: bool = True, seed: int = 0, port: int | None = None,
                  startup_timeout_s: float = 900.0, log_path: str | os.PathLike | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, log_stats: bool = False):
         self.model = str(model)
         self.host, self.port = "127.0.0.1", port or free_port()
         self.args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
             "--host", self.host, "--port", str(self.port), "--max-model-len", str(max_model_len),
             "--dtype", dtype, "--seed", str(seed), "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))),
-            "--disable-log-stats", "--disable-uvicorn-access-log",
+            *([] if log_stats else ["--disable-log-stats"]), "--disable-uvicorn-access-log",
             *(["--enforce-eager"] if enforce_eager else []), *extra_args,
         ]
         self.env = {**os.environ, **(env or {})}

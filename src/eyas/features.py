@@ -1,0 +1,450 @@
+"""On-disk hidden-state features: safetensors shards + `manifest.json`, a reader, a sampler.
+
+A feature directory holds `shard-00000.safetensors`, ... and `manifest.json`. A shard packs
+many samples as concatenated tensors plus offsets (N samples, Σ tokens = S):
+
+    offsets            int64 [N+1]         sample i is rows offsets[i]:offsets[i+1]
+    input_ids          int64 [S]
+    loss_mask          bool  [S]           1 on assistant tokens
+    aux_hidden_states  bf16  [S, n, H]     layer ids ascending (manifest `layer_ids`)
+    last_hidden_states bf16  [S, H]        the target's final *normed* state (lm_head input)
+
+With `dtype: fp8` the two state tensors are float8_e4m3fn, with per-token scales
+`aux_scales` fp32 [S, n] and `last_scales` fp32 [S] (x ≈ q * scale; scale = amax / 448,
+values clamped to ±448 before the cast). The shard's metadata holds the sample ids.
+
+Shards and the manifest are written atomically (temp + fsync + rename); the manifest
+lists every finished shard with its sha256, so a killed extraction resumes by skipping
+the ids of listed shards, and `verify_features` re-checks checksums and shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.manifest import read_manifest, sha256_file
+
+FORMAT = "eyas-features-v1"
+FP8_MAX = 448.0
+STORAGE_DTYPES = ("bf16", "fp8")
+SHARD_GLOB = "shard-*.safetensors"
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.safetensors"
+
+
+# ---------------------------------------------------------------- fp8 storage
+
+def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., H] -> (q float8_e4m3fn [..., H], scale fp32 [...]) with one scale per row."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1).clamp_min(1e-12)  # [...]
+    scale = amax / FP8_MAX
+    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
+
+
+def bytes_per_token(hidden: int, n_aux: int, dtype: str) -> int:
+    """Stored bytes per token: ids (8) + mask (1) + states (+ fp8 scales), offsets not counted."""
+    if dtype == "bf16":
+        return 9 + (n_aux + 1) * hidden * 2
+    if dtype == "fp8":
+        return 9 + (n_aux + 1) * (hidden + 4)
+    raise ValueError(f"unknown storage dtype {dtype!r}: {' | '.join(STORAGE_DTYPES)}")
+
+
+# ---------------------------------------------------------------- shards
+
+def pack_shard(samples: Sequence[dict], dtype: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Concatenate sample dicts into the shard tensors (+ safetensors metadata)."""
+    if dtype not in STORAGE_DTYPES:
+        raise ValueError(f"unknown storage dtype {dtype!r}: {' | '.join(STORAGE_DTYPES)}")
+    assert samples, "empty shard"
+    lengths = [int(s["input_ids"].shape[0]) for s in samples]
+    offsets = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0)
+    aux = torch.cat([s["aux_hidden_states"] for s in samples])  # [S, n, H]
+    last = torch.cat([s["last_hidden_states"] for s in samples])  # [S, H]
+    tensors = {
+        "offsets": offsets,
+        "input_ids": torch.cat([torch.as_tensor(s["input_ids"], dtype=torch.int64) for s in samples]),
+        "loss_mask": torch.cat([torch.as_tensor(s["loss_mask"]).to(torch.bool) for s in samples]),
+    }
+    assert aux.shape[0] == last.shape[0] == tensors["input_ids"].shape[0] == int(offsets[-1])
+    if dtype == "bf16":
+        tensors["aux_hidden_states"] = aux.to(torch.bfloat16).contiguous()
+        tensors["last_hidden_states"] = last.to(torch.bfloat16).contiguous()
+    else:
+        tensors["aux_hidden_states"], tensors["aux_scales"] = quantize_fp8(aux)
+        tensors["last_hidden_states"], tensors["last_scales"] = quantize_fp8(last)
+    meta = {"format": FORMAT, "dtype": dtype, "ids": json.dumps([str(s["id"]) for s in samples])}
+    return tensors, meta
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_shard_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    save_file(tensors, str(tmp), metadata=meta)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class FeatureWriter:
+    """Appends shards to a feature dir and keeps its manifest current; resumable.
+
+    `header` holds what identifies the features (target, layer ids, dtype, hashes, ...).
+    An existing dir made with a different header is refused; one with the same header is
+    resumed: its listed shards are kept (`done_ids`), stray temp files and shards the
+    manifest does not list (a kill between rename and manifest update) are removed.
+    """
+
+    IDENTITY = ("format", "layer_ids", "dtype", "hidden_size", "num_target_layers", "tokenizer_hash",
+                "template_hash", "max_len", "data_sha256")
+
+    def __init__(self, out: str | os.PathLike, header: dict[str, Any], samples_per_shard: int = 64):
+        if samples_per_shard < 1:
+            raise ValueError(f"samples_per_shard must be >= 1, got {samples_per_shard}")
+        self.out = Path(out)
+        self.header = {"format": FORMAT, **header}
+        self.samples_per_shard = samples_per_shard
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.shards: list[dict[str, Any]] = []
+        self.removed: list[str] = []
+        prev = read_manifest(self.out)
+        if prev is not None:
+            if prev.get("stage") != "extract":
+                raise ValueError(f"{self.out} holds a {prev.get('stage')!r} artifact, not features; choose another --out")
+            diff = {k: (prev.get(k), self.header.get(k)) for k in self.IDENTITY if prev.get(k) != self.header.get(k)}
+            if diff:
+                raise ValueError(
+                    f"{self.out} holds features made with different settings {diff} (existing, requested); "
+                    "delete it or choose another --out"
+                )
+            self.shards = list(prev.get("shards", []))
+        listed = {s["file"] for s in self.shards}
+        for p in self.out.iterdir():
+            if p.name.startswith(".") and ".tmp." in p.name or (p.match(SHARD_GLOB) and p.name not in listed):
+                p.unlink()
+                self.removed.append(p.name)
+        for s in self.shards:
+            if not (self.out / s["file"]).exists():
+                raise ValueError(f"{self.out}: the manifest lists {s['file']} but it is missing; delete the dir to redo")
+        self.pending: list[dict] = []
+
+    @property
+    def done_ids(self) -> set[str]:
+        return {i for s in self.shards for i in s["ids"]}
+
+    @property
+    def complete(self) -> bool:
+        man = read_manifest(self.out)
+        return bool(man and man.get("complete"))
+
+    def add(self, sample: dict, truncated: bool = False) -> None:
+        self.pending.append({**sample, "_truncated": bool(truncated)})
+        if len(self.pending) >= self.samples_per_shard:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        index = max((int(s["file"][6:11]) for s in self.shards), default=-1) + 1
+        path = self.out / shard_name(index)
+        tensors, meta = pack_shard(self.pending, self.header["dtype"])
+        write_shard_atomic(path, tensors, meta)
+        self.shards.append({
+            "file": path.name,
+            "sha256": sha256_file(path),
+            "bytes": path.stat().st_size,
+            "num_samples": len(self.pending),
+            "num_tokens": int(tensors["offsets"][-1]),
+            "num_loss_tokens": int(tensors["loss_mask"].sum()),
+            "truncated": sum(s["_truncated"] for s in self.pending),
+            "ids": [str(s["id"]) for s in self.pending],
+        })
+        self.pending = []
+        self.write_manifest(complete=False)
+
+    def write_manifest(self, complete: bool, **extra: Any) -> dict[str, Any]:
+        from eyas.manifest import write_manifest
+
+        counts = {
+            "num_samples": sum(s["num_samples"] for s in self.shards),
+            "num_tokens": sum(s["num_tokens"] for s in self.shards),
+            "num_loss_tokens": sum(s["num_loss_tokens"] for s in self.shards),
+            "truncated": sum(s["truncated"] for s in self.shards),
+            "bytes": sum(s["bytes"] for s in self.shards),
+            "num_shards": len(self.shards),
+        }
+        header = dict(self.header)
+        config = header.pop("config", None)
+        return write_manifest(self.out, "extract", config, **header, **counts, **extra,
+                              complete=complete, shards=self.shards)
+
+    def finish(self, **extra: Any) -> dict[str, Any]:
+        self.flush()
+        return self.write_manifest(complete=True, **extra)
+
+
+# ---------------------------------------------------------------- reader
+
+class FeatureDataset:
+    """Random access over a feature dir: `ds[i]` -> dict of tensors (fp8 dequantized to bf16)."""
+
+    def __init__(self, path: str | os.PathLike, allow_partial: bool = False, max_open: int = 8):
+        self.path = Path(path)
+        man = read_manifest(self.path)
+        if man is None or man.get("stage") != "extract":
+            raise ValueError(f"{self.path} is not a feature dir (no extract manifest.json); run `eyas extract` first")
+        if not man.get("complete") and not allow_partial:
+            raise ValueError(f"{self.path}: extraction is not complete; rerun `eyas extract` to resume it")
+        if man.get("format") != FORMAT:
+            raise ValueError(f"{self.path}: unknown feature format {man.get('format')!r} (expected {FORMAT})")
+        self.manifest = man
+        self.layer_ids: list[int] = list(man["layer_ids"])
+        self.hidden_size: int = int(man["hidden_size"])
+        self.num_target_layers: int = int(man["num_target_layers"])
+        self.dtype: str = man["dtype"]
+        self.target: str = man.get("target", "")
+        self._index: list[tuple[int, int]] = []  # (shard, position in shard)
+        self.ids: list[str] = []
+        for si, s in enumerate(man["shards"]):
+            self._index += [(si, j) for j in range(s["num_samples"])]
+            self.ids += s["ids"]
+        self._files: OrderedDict[int, Any] = OrderedDict()
+        self._offsets: dict[int, list[int]] = {}
+        self._max_open = max_open
+        self._lengths: list[int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _open(self, si: int):
+        from safetensors import safe_open
+
+        if si in self._files:
+            self._files.move_to_end(si)
+            return self._files[si]
+        f = safe_open(str(self.path / self.manifest["shards"][si]["file"]), framework="pt")
+        self._files[si] = f
+        if si not in self._offsets:
+            self._offsets[si] = f.get_tensor("offsets").tolist()
+        while len(self._files) > self._max_open:
+            self._files.popitem(last=False)
+        return f
+
+    @property
+    def lengths(self) -> list[int]:
+        """Tokens per sample, for `TokenBudgetSampler`."""
+        if self._lengths is None:
+            out: list[int] = []
+            for si in range(len(self.manifest["shards"])):
+                self._open(si)
+                off = self._offsets[si]
+                out += [b - a for a, b in zip(off[:-1], off[1:])]
+            self._lengths = out
+        return self._lengths
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        si, j = self._index[i]
+        f = self._open(si)
+        a, b = self._offsets[si][j], self._offsets[si][j + 1]
+        out: dict[str, Any] = {
+            "id": self.ids[i],
+            "input_ids": f.get_slice("input_ids")[a:b],
+            "loss_mask": f.get_slice("loss_mask")[a:b],
+        }
+        aux, last = f.get_slice("aux_hidden_states")[a:b], f.get_slice("last_hidden_states")[a:b]
+        if self.dtype == "fp8":
+            aux = dequantize_fp8(aux, f.get_slice("aux_scales")[a:b])
+            last = dequantize_fp8(last, f.get_slice("last_scales")[a:b])
+        out["aux_hidden_states"], out["last_hidden_states"] = aux, last
+        return out
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for i in range(len(self)):
+            yield self[i]
+
+
+def open_features(path: str | os.PathLike, allow_partial: bool = False) -> FeatureDataset:
+    return FeatureDataset(path, allow_partial=allow_partial)
+
+
+def verify_features(path: str | os.PathLike) -> dict[str, Any]:
+    """Check every shard's sha256, size, tensor names, dtypes and shapes against the manifest.
+
+    Returns a summary; raises ValueError listing every problem found.
+    """
+    from safetensors import safe_open
+
+    path = Path(path)
+    man = read_manifest(path)
+    if man is None or man.get("stage") != "extract":
+        raise ValueError(f"{path} is not a feature dir (no extract manifest.json)")
+    problems: list[str] = []
+    if not man.get("complete"):
+        problems.append("manifest says the extraction is not complete")
+    n, H, dtype = len(man["layer_ids"]), man["hidden_size"], man["dtype"]
+    state_dt = torch.bfloat16 if dtype == "bf16" else torch.float8_e4m3fn
+    seen: set[str] = set()
+    tokens = samples = 0
+    for s in man["shards"]:
+        p = path / s["file"]
+        if not p.exists():
+            problems.append(f"{s['file']}: missing")
+            continue
+        if p.stat().st_size != s["bytes"]:
+            problems.append(f"{s['file']}: {p.stat().st_size} bytes, manifest says {s['bytes']}")
+        if sha256_file(p) != s["sha256"]:
+            problems.append(f"{s['file']}: sha256 mismatch (corrupt or modified)")
+            continue
+        with safe_open(str(p), framework="pt") as f:
+            ids = json.loads(f.metadata()["ids"])
+            off = f.get_tensor("offsets")
+            S = int(off[-1])
+            want = {"offsets": ([s["num_samples"] + 1], torch.int64), "input_ids": ([S], torch.int64),
+                    "loss_mask": ([S], torch.bool), "aux_hidden_states": ([S, n, H], state_dt),
+                    "last_hidden_states": ([S, H], state_dt)}
+            if dtype == "fp8":
+                want |= {"aux_scales": ([S, n], torch.float32), "last_scales": ([S], torch.float32)}
+            for name, (shape, dt) in want.items():
+                if name not in f.keys():
+                    problems.append(f"{s['file']}: no tensor {name!r}")
+                    continue
+                sl = f.get_slice(name)
+                if list(sl.get_shape()) != shape or _st_dtype(sl.get_dtype()) != dt:
+                    problems.append(f"{s['file']}: {name} is {sl.get_dtype()} {sl.get_shape()}, expected {dt} {shape}")
+            if ids != s["ids"] or S != s["num_tokens"] or bool((off[1:] <= off[:-1]).any()):
+                problems.append(f"{s['file']}: ids / offsets disagree with the manifest")
+        dup = seen.intersection(ids)
+        if dup:
+            problems.append(f"{s['file']}: ids also in an earlier shard: {sorted(dup)[:5]}")
+        seen.update(ids)
+        tokens += s["num_tokens"]
+        samples += s["num_samples"]
+    if samples != man.get("num_samples") or tokens != man.get("num_tokens"):
+        problems.append(f"counts: shards hold {samples} samples / {tokens} tokens, manifest says "
+                        f"{man.get('num_samples')} / {man.get('num_tokens')}")
+    if problems:
+        raise ValueError(f"{path}: verification failed:\n  " + "\n  ".join(problems))
+    return {"path": str(path), "shards": len(man["shards"]), "samples": samples, "tokens": tokens,
+            "bytes": man.get("bytes"), "dtype": dtype, "layer_ids": man["layer_ids"], "hidden_size": H}
+
+
+def _st_dtype(name: str) -> torch.dtype:
+    return {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "I64": torch.int64,
+            "BOOL": torch.bool, "F16": torch.float16}.get(name, torch.uint8)
+
+
+# ---------------------------------------------------------------- sampler
+
+class TokenBudgetSampler:
+    """Length-grouped batches of indices whose padded size (max length x count) fits `token_budget`.
+
+    Each epoch: a seeded permutation, cut into pools of `pool_batches` x (budget / mean length)
+    samples, sorted by length inside a pool and packed greedily, then the batch order is
+    shuffled. The same (seed, epoch) gives the same batches. A sample longer than the budget
+    forms a batch of its own. With `world_size` > 1 every rank gets the same number of
+    batches (the remainder is dropped). `state_dict()` / `load_state_dict()` resume mid-epoch.
+    """
+
+    def __init__(self, lengths: Sequence[int], token_budget: int, shuffle: bool = True, seed: int = 0,
+                 rank: int = 0, world_size: int = 1, pool_batches: int = 32):
+        if token_budget < 1:
+            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+        self.lengths = [int(x) for x in lengths]
+        self.token_budget = token_budget
+        self.shuffle = shuffle
+        self.seed = seed
+        self.rank, self.world_size = rank, world_size
+        self.pool_batches = pool_batches
+        self.epoch = 0
+        self.position = 0  # batches of this epoch already yielded (for this rank)
+
+    def batches(self, epoch: int) -> list[list[int]]:
+        """All batches of `epoch` for this rank."""
+        n = len(self.lengths)
+        order = list(range(n))
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        if self.shuffle:
+            rng.shuffle(order)
+        mean = max(1.0, sum(self.lengths) / max(n, 1))
+        pool = max(1, self.pool_batches * math.ceil(self.token_budget / mean))
+        batches: list[list[int]] = []
+        for p in range(0, n, pool):
+            chunk = sorted(order[p : p + pool], key=lambda i: self.lengths[i])
+            cur: list[int] = []
+            longest = 0
+            for i in chunk:
+                L = self.lengths[i]
+                if cur and max(longest, L) * (len(cur) + 1) > self.token_budget:
+                    batches.append(cur)
+                    cur, longest = [], 0
+                cur.append(i)
+                longest = max(longest, L)
+            if cur:
+                batches.append(cur)
+        if self.shuffle:
+            rng.shuffle(batches)
+        usable = len(batches) - len(batches) % self.world_size
+        return batches[self.rank : usable : self.world_size]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch, self.position = epoch, 0
+
+    def __len__(self) -> int:
+        return len(self.batches(self.epoch))
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = self.batches(self.epoch)
+        while self.position < len(batches):
+            b = batches[self.position]
+            self.position += 1
+            yield b
+        self.epoch, self.position = self.epoch + 1, 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
+                "token_budget": self.token_budget, "num_samples": len(self.lengths)}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["num_samples"] != len(self.lengths) or state["token_budget"] != self.token_budget \
+                or state["seed"] != self.seed:
+            raise ValueError(f"sampler state {state} does not match this dataset / budget / seed; cannot resume")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
