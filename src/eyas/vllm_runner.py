@@ -1,0 +1,170 @@
+"""Run a vLLM `LLM` in a fresh process and write JSON results, so callers never hold vLLM.
+
+    python -m eyas.vllm_runner SPEC.json RESULT.json
+
+SPEC: {"target", "draft" (null: plain decoding), "k", "max_tokens", "temperature",
+"max_model_len", "kv_cache_gib", "enforce_eager", "seed",
+"batches": [{"name", "conversations": [[{"role", "content"}, ...], ...]}]}.
+Each batch runs as one `LLM.chat` call (greedy when temperature is 0) in the same engine;
+the spec-decode counters are read before and after it and the difference is the batch's.
+RESULT: {"load_seconds", "batches": [{"name", "n", "seconds", "prompt_tokens",
+"generated_tokens", "counters": {num_drafts, num_draft_tokens, num_accepted_tokens,
+accepted_per_pos}, "texts"}], ...}. `run(spec)` does the spawning from any process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+COUNTERS = {
+    "vllm:spec_decode_num_drafts": "num_drafts",
+    "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
+}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
+
+
+def read_counters(llm) -> dict[str, Any]:
+    """Spec-decode counters summed over engines/labels; {} keys absent when spec decoding is off."""
+    from vllm.v1.metrics.reader import Counter, Vector
+
+    out: dict[str, Any] = {}
+    for m in llm.get_metrics():
+        if isinstance(m, Counter) and m.name in COUNTERS:
+            out[COUNTERS[m.name]] = out.get(COUNTERS[m.name], 0) + int(m.value)
+        elif isinstance(m, Vector) and m.name == PER_POS:
+            prev = out.get("accepted_per_pos") or [0] * len(m.values)
+            out["accepted_per_pos"] = [a + int(b) for a, b in zip(prev, m.values)]
+    return out
+
+
+def diff_counters(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
+    d = {k: after[k] - before.get(k, 0) for k in COUNTERS.values() if k in after}
+    if "accepted_per_pos" in after:
+        prev = before.get("accepted_per_pos") or [0] * len(after["accepted_per_pos"])
+        d["accepted_per_pos"] = [a - b for a, b in zip(after["accepted_per_pos"], prev)]
+    return d
+
+
+def _engine(spec: dict[str, Any]):
+    from vllm import LLM
+
+    kw: dict[str, Any] = dict(
+        model=spec["target"],
+        max_model_len=int(spec.get("max_model_len", 2048)),
+        disable_log_stats=False,
+        seed=int(spec.get("seed", 0)),
+        enforce_eager=bool(spec.get("enforce_eager", True)),
+        max_num_seqs=int(spec.get("max_num_seqs", 64)),
+    )
+    if spec.get("gpu_memory_utilization"):
+        kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])
+    if spec.get("draft"):
+        kw["speculative_config"] = {
+            "method": "eagle3",
+            "model": spec["draft"],
+            "num_speculative_tokens": int(spec.get("k", 3)),
+        }
+    return LLM(**kw)
+
+
+def main(spec_path: str, result_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    llm = _engine(spec)
+    load_s = time.perf_counter() - t0
+    params = SamplingParams(
+        max_tokens=int(spec.get("max_tokens", 128)),
+        temperature=float(spec.get("temperature", 0.0)),
+        seed=int(spec.get("seed", 0)),
+        ignore_eos=bool(spec.get("ignore_eos", False)),
+    )
+    result: dict[str, Any] = {"load_seconds": load_s, "batches": [], "spec": {k: v for k, v in spec.items() if k != "batches"}}
+    for batch in spec["batches"]:
+        before = read_counters(llm)
+        t = time.perf_counter()
+        outs = llm.chat(batch["conversations"], params, use_tqdm=False)
+        secs = time.perf_counter() - t
+        after = read_counters(llm)
+        result["batches"].append(
+            {
+                "name": batch["name"],
+                "n": len(outs),
+                "seconds": secs,
+                "prompt_tokens": sum(len(o.prompt_token_ids or []) for o in outs),
+                "generated_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
+                "counters": diff_counters(after, before),
+                "texts": [o.outputs[0].text for o in outs] if spec.get("return_texts", True) else [],
+            }
+        )
+    result["counters"] = read_counters(llm)
+    tmp = Path(result_path).with_suffix(".tmp")
+    tmp.write_text(json.dumps(result))
+    os.replace(tmp, result_path)
+
+
+def root_causes(log_text: str, n: int = 8) -> str:
+    """The distinct `SomethingError: message` lines of a log (the worker's root cause is not at its end)."""
+    seen: list[str] = []
+    for line in log_text.splitlines():
+        m = re.search(r"\b[A-Za-z_.]*(Error|Exception): .*", line)
+        if m and m.group(0) not in seen:
+            seen.append(m.group(0))
+    return "\n".join(seen[-n:]) or "(none found)"
+
+
+def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Run `spec` in a fresh `python -m eyas.vllm_runner` process; returns its result dict.
+
+    The engine's log goes to `log_path` (a temp file when None); a failure raises
+    RuntimeError carrying the log's tail.
+    """
+    # a caller under torchrun (serve-eval from the trainer) must not hand its process-group env to vLLM
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    if spec.get("kv_cache_gib"):
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(float(spec["kv_cache_gib"]))))  # whole GiB
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    with tempfile.TemporaryDirectory(prefix="eyas-vllm-") as tmp:
+        sp, rp = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        sp.write_text(json.dumps(spec))
+        log = Path(log_path) if log_path else Path(tmp) / "vllm.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as lf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "eyas.vllm_runner", str(sp), str(rp)],
+                stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                rc = None
+        if rc != 0 or not rp.exists():
+            text = log.read_text(errors="replace")
+            why = "timed out" if rc is None else f"exited with {rc}"
+            raise RuntimeError(
+                f"vLLM runner {why} (target {spec.get('target')}, draft {spec.get('draft')}); log {log}\n"
+                f"errors:\n{root_causes(text)}\nlog tail:\n{text[-3000:]}"
+            )
+        return json.loads(rp.read_text())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 3:
+        print("usage: python -m eyas.vllm_runner SPEC.json RESULT.json", file=sys.stderr)
+        sys.exit(2)
+    main(sys.argv[1], sys.argv[2])
