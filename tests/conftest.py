@@ -29,3 +29,11 @@ def tiny_moe(tmp_path_factory, embedded_target) -> Path:
     from eyas.testing import make_tiny_target
 
     return make_tiny_target(tmp_path_factory.mktemp("tiny_moe"), embedded_target, arch="qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def vllm_target(tmp_path_factory, embedded_target) -> Path:
+    """A tiny random llama vLLM CPU can run (its attention needs head_dim >= 32: hidden 128, 4 heads)."""
+    from eyas.testing import make_tiny_target
+
+    return make_tiny_target(tmp_path_factory.mktemp("tiny128"), embedded_target, hidden=128)

@@ -122,14 +122,6 @@ def test_on_checkpoint_keeps_best(tiny_llama, tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def vllm_target(tmp_path_factory, embedded_target) -> Path:
-    """A tiny llama vLLM CPU can run (its attention needs head_dim >= 32: hidden 128, 4 heads)."""
-    from eyas.testing import make_tiny_target
-
-    return make_tiny_target(tmp_path_factory.mktemp("tiny128"), embedded_target, hidden=128)
-
-
-@pytest.fixture(scope="module")
 def constant_target(vllm_target, tmp_path_factory) -> Path:
     """The tiny target with its final norm zeroed: all logits 0, so greedy decoding always picks token 0."""
     d = tmp_path_factory.mktemp("const") / "target"
@@ -196,8 +188,7 @@ def test_served_draft_metrics(constant_target, tmp_path):
     draft = write_draft(state, cfg, tmp_path / "draft", constant_target)
     argv = serve_argv(constant_target, draft, k=3, cpu=True)
     assert argv[1:4] == ["-m", "vllm.entrypoints.openai.api_server", "--model"]
-    srv = VllmServer(constant_target, argv[5:], kv_cache_gib=1, log_path=tmp_path / "server.log")
-    srv.args = [a for a in srv.args if a != "--disable-log-stats"]  # the spec counters are stats
+    srv = VllmServer(constant_target, argv[5:], kv_cache_gib=1, log_path=tmp_path / "server.log", log_stats=True)
     with srv:
         for i in range(2):
             r = requests.post(srv.url + "/v1/chat/completions", timeout=120, json={

@@ -273,14 +273,6 @@ def test_serve_command():
 # ---------------------------------------------------------------- vLLM
 
 
-@pytest.fixture(scope="module")
-def vllm_target(tmp_path_factory, embedded_target) -> Path:
-    """A tiny llama vLLM CPU can run (its attention needs head_dim >= 32: hidden 128, 4 heads)."""
-    from eyas.testing import make_tiny_target
-
-    return make_tiny_target(tmp_path_factory.mktemp("tiny128"), embedded_target, hidden=128)
-
-
 @pytest.mark.slow
 def test_fp8_draft_in_vllm(vllm_target, tmp_path):
     """vLLM loads the FP8 draft; on vLLM CPU 0.32 it cannot (the failure is pinned so a fix shows up)."""
