@@ -1,7 +1,8 @@
 """The end-of-run report: `report.json`, `report.md` and plots (matplotlib, Agg).
 
 Inputs are plain dicts produced by the stages (no recomputation here):
-- `eval`: `{"acceptance_length", "per_position": [...], "per_domain": {domain: al}, "tokens_per_s"}`
+- `eval`: `eyas.evaluate.measure_acceptance`'s report: `{"acceptance_length", "k", "per_pos": [...],
+  "domains": {domain: {"acceptance_length", "n", "tokens_per_s", ...}}, "tokens_per_s"}`
 - `serve_eval`: `[{"step", "true_al", "est_al", "eval_seconds"}, ...]`
 - `throughput`: `[{"concurrency", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup"}, ...]`
 """
@@ -47,7 +48,8 @@ def plot_al_over_training(records: list[dict[str, Any]], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(5, 3.2))
     steps = [r["step"] for r in records]
     ax.plot(steps, [r["true_al"] for r in records], "o-", label="true AL (vLLM)")
-    ax.plot(steps, [r["est_al"] for r in records], "s--", label="estimated AL (trainer)")
+    ax.plot(steps, [r["est_al"] if r.get("est_al") is not None else float("nan") for r in records], "s--",
+            label="estimated AL (trainer)")
     ax.set_xlabel("training step")
     ax.set_ylabel("acceptance length")
     ax.legend()
@@ -91,8 +93,11 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths: dict[str, Path] = {}
     ev, se, tp = report.get("eval") or {}, report.get("serve_eval") or [], report.get("throughput") or []
-    if ev.get("per_position"):
-        paths["al_per_position"] = plot_al_per_position(ev["per_position"], out_dir / "al_per_position.png", ev.get("k"))
+    se = [r for r in se if r.get("true_al") is not None]
+    per_pos = ev.get("per_pos") or []
+    per_domain = {d: v.get("acceptance_length") for d, v in (ev.get("domains") or {}).items()}
+    if per_pos:
+        paths["al_per_position"] = plot_al_per_position(per_pos, out_dir / "al_per_position.png", ev.get("k"))
     if se:
         paths["al_over_training"] = plot_al_over_training(se, out_dir / "al_over_training.png")
     if tp:
@@ -104,10 +109,10 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
     if ev:
         md += [f"**Acceptance length (vLLM, k={ev.get('k')}, greedy, held-out prompts): "
                f"{ev.get('acceptance_length', float('nan')):.3f}**", ""]
-        if ev.get("per_domain"):
-            md += [_md_table(["domain", "AL"], [[d, v] for d, v in sorted(ev["per_domain"].items())]), ""]
-        if ev.get("per_position"):
-            md += [_md_table(["position", "acceptance rate"], [[i + 1, v] for i, v in enumerate(ev["per_position"])]), ""]
+        if per_domain:
+            md += [_md_table(["domain", "AL"], [[d, v] for d, v in sorted(per_domain.items())]), ""]
+        if per_pos:
+            md += [_md_table(["position", "acceptance rate"], [[i + 1, v] for i, v in enumerate(per_pos)]), ""]
     if se:
         md += ["## Serve-in-the-loop", "", _md_table(
             ["step", "true AL", "estimated AL", "eval s"],
