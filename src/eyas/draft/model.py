@@ -1,0 +1,326 @@
+"""The EAGLE-3 draft head: one Llama layer computing exactly what vLLM's `llama_eagle3.py` runs.
+
+vLLM (`Eagle3LlamaForCausalLM`, `LlamaModel`, `LlamaDecoderLayer` in llama_eagle3.py):
+
+    g      = fc(cat(aux_k for k in layer_ids ascending))            # combine_hidden_states, [T, H]
+    x      = cat([input_layernorm(embed(tok)), hidden_norm(h)], -1)  # [T, 2H], embeddings first
+    a      = o_proj(attn(rope(q_proj(x)), rope(k_proj(x)), v_proj(x)))
+    r      = a + h                                                  # residual = the un-normed hidden
+    m      = mlp(post_attention_layernorm(r))
+    h_out  = m + r                                                  # pre-norm output, fed back next step
+    logits = lm_head(norm(h_out))                                   # [T, Vd]; target id = i + d2t[i]
+
+where h is g at the first draft step and the previous step's `h_out` at later ones. The
+state_dict keys of `Eagle3Draft` are the names vLLM loads (`fc.weight`,
+`midlayer.self_attn.q_proj.weight`, ..., `d2t`, `t2d`), so export is a plain copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCH = "LlamaForCausalLMEagle3"
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """Everything that fixes the draft's shapes and numerics (all read from the target config)."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    vocab_size: int  # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    layer_ids: tuple[int, ...]  # aux layer ids, ascending: HF hidden_states[k]
+    max_position_embeddings: int
+    rope_parameters: dict[str, Any] = field(default_factory=dict)
+    fc_norm: bool = False  # one RMSNorm per aux chunk before fc
+    norm_before_fc: bool = False  # one RMSNorm over the whole concatenation before fc
+    norm_output: bool = False  # feed back the post-norm hidden instead of the pre-norm one
+
+    @property
+    def n_aux(self) -> int:
+        return len(self.layer_ids)
+
+    @classmethod
+    def from_target_config(
+        cls, tcfg: Any, layer_ids: list[int] | tuple[int, ...], draft_vocab_size: int, fc_norm: bool = False,
+        norm_before_fc: bool = False,
+    ) -> DraftSpec:
+        """Sizes from a transformers config of the target (dense or MoE)."""
+        tcfg = getattr(tcfg, "text_config", None) or tcfg
+        ids = tuple(int(i) for i in layer_ids)
+        L = int(tcfg.num_hidden_layers)
+        if list(ids) != sorted(set(ids)) or not ids or ids[0] < 0 or ids[-1] > L:
+            raise ValueError(f"layer ids {list(ids)} must be ascending, unique and within 0..{L}")
+        H = int(tcfg.hidden_size)
+        nh = int(tcfg.num_attention_heads)
+        head_dim = getattr(tcfg, "head_dim", None) or H // nh
+        inter = getattr(tcfg, "intermediate_size", None) or 4 * H
+        if not 0 < draft_vocab_size <= int(tcfg.vocab_size):
+            raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{tcfg.vocab_size} (target vocab)")
+        return cls(
+            hidden_size=H,
+            num_heads=nh,
+            num_kv_heads=int(getattr(tcfg, "num_key_value_heads", None) or nh),
+            head_dim=int(head_dim),
+            intermediate_size=int(inter),
+            rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
+            vocab_size=int(tcfg.vocab_size),
+            draft_vocab_size=int(draft_vocab_size),
+            target_hidden_size=H,
+            layer_ids=ids,
+            max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
+            rope_parameters=_rope_parameters(tcfg),
+            fc_norm=fc_norm,
+            norm_before_fc=norm_before_fc,
+        )
+
+    @classmethod
+    def from_draft_config(cls, d: dict[str, Any]) -> DraftSpec:
+        """Inverse of `draft_config_dict` (reads a draft config.json / draft.json)."""
+        return cls(
+            hidden_size=d["hidden_size"],
+            num_heads=d["num_attention_heads"],
+            num_kv_heads=d["num_key_value_heads"],
+            head_dim=d["head_dim"],
+            intermediate_size=d["intermediate_size"],
+            rms_norm_eps=d["rms_norm_eps"],
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d["draft_vocab_size"],
+            target_hidden_size=d["target_hidden_size"],
+            layer_ids=tuple(d["eagle_aux_hidden_state_layer_ids"]),
+            max_position_embeddings=d["max_position_embeddings"],
+            rope_parameters=dict(d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d["rope_theta"]}),
+            fc_norm=bool(d.get("fc_norm", False)),
+            norm_before_fc=bool(d.get("norm_before_fc", False)),
+            norm_output=bool(d.get("norm_output", False)),
+        )
+
+
+def _rope_parameters(tcfg: Any) -> dict[str, Any]:
+    rp = getattr(tcfg, "rope_parameters", None)
+    if isinstance(rp, dict) and "full_attention" in rp:  # per-layer-type dict: the draft is full attention
+        rp = rp["full_attention"]
+    if not rp:
+        scaling = dict(getattr(tcfg, "rope_scaling", None) or {})
+        rp = {"rope_type": scaling.pop("rope_type", scaling.pop("type", "default")), **scaling}
+        rp["rope_theta"] = float(getattr(tcfg, "rope_theta", 10000.0))
+    return {k: v for k, v in dict(rp).items() if v is not None}
+
+
+def draft_config_dict(spec: DraftSpec, torch_dtype: str = "bfloat16", **extra: Any) -> dict[str, Any]:
+    """The HF config.json vLLM reads for the draft (`LlamaForCausalLMEagle3`)."""
+    d: dict[str, Any] = {
+        "architectures": [ARCH],
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": spec.hidden_size,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "intermediate_size": spec.intermediate_size,
+        "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps,
+        "vocab_size": spec.vocab_size,
+        "draft_vocab_size": spec.draft_vocab_size,
+        "target_hidden_size": spec.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(spec.layer_ids),
+        "max_position_embeddings": spec.max_position_embeddings,
+        "rope_parameters": dict(spec.rope_parameters),
+        "rope_theta": spec.rope_parameters.get("rope_theta", 10000.0),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": torch_dtype,
+    }
+    if spec.n_aux != 3:
+        d["num_aux_hidden_states"] = spec.n_aux
+    if spec.fc_norm:
+        d["fc_norm"] = True
+    if spec.norm_before_fc:
+        d["norm_before_fc"] = True
+    if spec.norm_output:
+        d["norm_output"] = True
+    d.update(extra)
+    return d
+
+
+class RMSNorm(nn.Module):
+    """vLLM's RMSNorm: statistics in fp32, scale applied in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Rope(nn.Module):
+    """Neox-style rotary embedding of the target's type (default, llama3, yarn, ...) via transformers."""
+
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+        cfg = LlamaConfig(**draft_config_dict(spec))
+        self.inner = LlamaRotaryEmbedding(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [B, heads, T, D], positions [B, T] -> rotated x."""
+        cos, sin = self.inner(x, positions)  # [B, T, D]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        H2, nh, nkv, hd = 2 * spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim
+        self.q_proj = nn.Linear(H2, nh * hd, bias=False)  # [nh*hd, 2H]
+        self.k_proj = nn.Linear(H2, nkv * hd, bias=False)
+        self.v_proj = nn.Linear(H2, nkv * hd, bias=False)
+        self.o_proj = nn.Linear(nh * hd, spec.hidden_size, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        self.gate_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(spec.hidden_size, spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    def __init__(self, spec: DraftSpec):
+        super().__init__()
+        eps = spec.rms_norm_eps
+        self.hidden_norm = RMSNorm(spec.hidden_size, eps)
+        self.input_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.self_attn = SelfAttention(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, eps)
+        self.mlp = MLP(spec)
+
+
+class Eagle3Draft(nn.Module):
+    """EAGLE-3 head with vLLM's parameter names. The attention itself lives in the caller
+    (`eyas.draft.ttt` for training, a KV-cache loop for inference): this module gives the
+    pieces before and after it, so both paths share every weight and every op."""
+
+    def __init__(self, spec: DraftSpec, freeze_embed: bool = True):
+        super().__init__()
+        self.spec = spec
+        H, eps = spec.hidden_size, spec.rms_norm_eps
+        self.embed_tokens = nn.Embedding(spec.vocab_size, H)
+        self.embed_tokens.weight.requires_grad_(not freeze_embed)
+        if spec.norm_before_fc:
+            self.input_norm = RMSNorm(spec.n_aux * spec.target_hidden_size, eps)
+        if spec.fc_norm:
+            self.fc_norm = nn.ModuleList([RMSNorm(spec.target_hidden_size, eps) for _ in range(spec.n_aux)])
+        self.fc = nn.Linear(spec.n_aux * spec.target_hidden_size, H, bias=False)  # [H, n_aux*H_t]
+        self.midlayer = MidLayer(spec)
+        self.norm = RMSNorm(H, eps)
+        self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)  # [Vd, H]
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.int64))  # [Vd] offsets
+        self.register_buffer("t2d", torch.zeros(spec.vocab_size, dtype=torch.bool))  # [V]
+        self.rope = Rope(spec)  # non-persistent buffers only: no state_dict keys
+
+    # ---- init -------------------------------------------------------------------------
+    @torch.no_grad()
+    def init_weights(self, embed: torch.Tensor | None = None, std: float = 0.02, seed: int = 0) -> None:
+        """Deterministic init (same on every rank): linears N(0, std), norms 1, embedding copied."""
+        g = torch.Generator().manual_seed(seed)
+        for name, p in self.named_parameters():
+            if name == "embed_tokens.weight":
+                continue
+            if name.endswith("norm.weight") or ".fc_norm." in name or name.startswith("fc_norm."):
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32) * std)
+        if embed is not None:
+            if tuple(embed.shape) != tuple(self.embed_tokens.weight.shape):
+                raise ValueError(f"target embedding {tuple(embed.shape)} != draft {tuple(self.embed_tokens.weight.shape)}")
+            self.embed_tokens.weight.copy_(embed)
+
+    @torch.no_grad()
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        assert d2t.shape == self.d2t.shape and t2d.shape == self.t2d.shape
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def forward(
+        self, input_ids: torch.Tensor, aux: torch.Tensor, row_masks: list[torch.Tensor]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The training forward: the TTT unroll (`eyas.draft.ttt.unroll`). Under FSDP2 the
+        parameters are gathered for the whole call, so the unroll may use every piece below."""
+        from eyas.draft.ttt import unroll
+
+        return unroll(self, input_ids, aux, row_masks)
+
+    # ---- the pieces around attention --------------------------------------------------
+    def combine_hidden_states(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux [..., n_aux * H_t] (aux states concatenated, ascending layer ids) -> fc out [..., H]."""
+        x = aux.to(self.fc.weight.dtype)
+        if self.spec.norm_before_fc:
+            x = self.input_norm(x)
+        if self.spec.fc_norm:
+            chunks = x.chunk(self.spec.n_aux, dim=-1)
+            x = torch.cat([n(c) for n, c in zip(self.fc_norm, chunks)], dim=-1)
+        return self.fc(x)
+
+    def qkv(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ids [B, T], hidden [B, T, H], positions [B, T] -> q [B, nh, T, D], k, v [B, nkv, T, D] (roped),
+        residual [B, T, H]."""
+        lyr, s = self.midlayer, self.spec
+        emb = lyr.input_layernorm(self.embed_tokens(input_ids).to(hidden.dtype))
+        residual = hidden  # vLLM's default `_norm_after_residual`
+        x = torch.cat([emb, lyr.hidden_norm(hidden)], dim=-1)  # [B, T, 2H], embeddings first
+        B, T, _ = x.shape
+        q = lyr.self_attn.q_proj(x).view(B, T, s.num_heads, s.head_dim).transpose(1, 2)
+        k = lyr.self_attn.k_proj(x).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        v = lyr.self_attn.v_proj(x).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
+        return self.rope(q, positions), self.rope(k, positions), v, residual
+
+    def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """attn [B, nh, T, D] (softmax(qk)v), residual [B, T, H] -> pre-norm output [B, T, H]."""
+        lyr = self.midlayer
+        B, _, T, _ = attn.shape
+        r = lyr.self_attn.o_proj(attn.transpose(1, 2).reshape(B, T, -1)) + residual
+        return lyr.mlp(lyr.post_attention_layernorm(r)) + r
+
+    def feedback(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """The hidden the next draft step takes (vLLM: pre-norm unless `norm_output`)."""
+        return self.norm(prenorm) if self.spec.norm_output else prenorm
+
+    def compute_logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[..., H] -> draft-vocab logits [..., Vd]."""
+        return self.lm_head(self.norm(prenorm))
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+
+def spec_dict(spec: DraftSpec) -> dict[str, Any]:
+    d = asdict(spec)
+    d["layer_ids"] = list(spec.layer_ids)
+    return d

@@ -1,0 +1,235 @@
+"""Training-time test (TTT): unroll the draft K steps as vLLM runs it, with a soft-CE loss.
+
+Shift convention (vLLM `set_inputs_first_pass`: input ids rotated left by one, positions
+and hidden states unchanged). For a sequence x_0..x_{T-1} with target hidden states h_t:
+
+    step 0, index p:  hidden = fc(aux_p),            token x_{p+1}, position p     -> predicts x_{p+2}
+    step i, index p:  hidden = step i-1 out at p,    token x_{p+1+i}, position p+i -> predicts x_{p+2+i}
+
+Index p of step i is the i-th speculative token of a chain whose last verified token is
+x_{p+1}. Attention (vLLM's KV cache during that chain): the query of step i at p sees the
+step-0 keys of indices 0..p (the real prefix) and the keys of steps 1..i at index p only
+(the diagonal). The loss of step i at p is taken when x_{p+2+i} is a loss token; its
+soft label is the target's distribution at position p+1+i (from `last_hidden_states`
+through the target's lm_head) restricted to the draft vocab and renormalized.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from eyas.draft.model import Eagle3Draft
+
+
+# ---------------------------------------------------------------------------------------------
+# the frozen target side: lm_head (soft labels, top-1) and token embeddings
+
+
+def load_target_head(target_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(embed [V, H], lm_head [V, H], config dict) read straight from the target's safetensors."""
+    from safetensors import safe_open
+
+    d = Path(target_dir)
+    cfg = json.loads((d / "config.json").read_text())
+    tcfg = cfg.get("text_config") or cfg
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        where = json.loads(index.read_text())["weight_map"]
+    else:
+        files = sorted(d.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{d}: no *.safetensors weights (eyas reads the target's lm_head and embeddings from them)")
+        where = {}
+        for f in files:
+            with safe_open(f, "pt") as sf:
+                where.update({k: f.name for k in sf.keys()})
+
+    def pick(suffix: str) -> str | None:
+        names = sorted((k for k in where if k.endswith(suffix)), key=len)  # the shortest: the language model's
+        return names[0] if names else None
+
+    def read(name: str) -> torch.Tensor:
+        with safe_open(d / where[name], "pt") as sf:
+            return sf.get_tensor(name)
+
+    emb_name = pick("embed_tokens.weight")
+    if emb_name is None:
+        raise ValueError(f"{d}: no '*embed_tokens.weight' tensor in the safetensors")
+    embed = read(emb_name)
+    head_name = pick("lm_head.weight")
+    tied = bool(tcfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
+    lm_head = embed if (tied or head_name is None) else read(head_name)
+    V = int(tcfg["vocab_size"])
+    if embed.shape[0] < V or lm_head.shape[0] < V:
+        raise ValueError(f"{d}: embeddings {tuple(embed.shape)} / lm_head {tuple(lm_head.shape)} smaller than vocab {V}")
+    return embed[:V], lm_head[:V], tcfg
+
+
+class TargetHead:
+    """Frozen target lm_head: soft labels over the draft vocab and the full-vocab top-1."""
+
+    def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor, softcap: float | None = None,
+                 logit_scale: float = 1.0, chunk_rows: int = 0):
+        self.weight = lm_head.detach()  # [V, H]
+        self.draft_ids = draft_ids.to(lm_head.device)  # [Vd]
+        self.weight_d = self.weight[self.draft_ids]  # [Vd, H]
+        self.t2d = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
+        self.t2d[self.draft_ids] = True
+        self.softcap, self.scale = softcap, logit_scale
+        self.chunk_rows = chunk_rows or max(1, (1 << 25) // lm_head.shape[0])
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> TargetHead:
+        w = self.weight.to(device=device, dtype=dtype or self.weight.dtype)
+        return TargetHead(w, self.draft_ids.to(device), self.softcap, self.scale, self.chunk_rows)
+
+    def _post(self, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.float() * self.scale
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+    @torch.no_grad()
+    def labels(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """last [R, H] (final normed target states) -> (q [R, Vd] fp32 probs over the draft vocab,
+        top [R] int64 target ids of the target's full-vocab argmax)."""
+        x = last.to(self.weight.dtype)
+        q = torch.softmax(self._post(x @ self.weight_d.T), dim=-1)
+        top = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+        for s in range(0, x.shape[0], self.chunk_rows):  # [chunk, V] at a time
+            top[s : s + self.chunk_rows] = self._post(x[s : s + self.chunk_rows] @ self.weight.T).argmax(-1)
+        return q, top
+
+
+# ---------------------------------------------------------------------------------------------
+# the unroll
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int | bool = 0) -> torch.Tensor:
+    """[B, T] -> out[:, p] = x[:, p + n] (fill past the end)."""
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_mask(T: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[T, (step+1)*T] bool: causal over the step-0 keys, then one diagonal per later step."""
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    eye = torch.eye(T, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [eye] * step, dim=1)
+
+
+def attend(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """q [B, nh, T, D]; ks/vs: step 0..i keys/values [B, nkv, T, D] -> [B, nh, T, D]."""
+    T, nh, nkv = q.shape[2], q.shape[1], ks[0].shape[1]
+    k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # [B, nkv, (i+1)T, D]
+    if nkv != nh:
+        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+    if len(ks) == 1:  # step 0: plain causal attention (the kernel skips the masked blocks)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # Dense over the (i+1)T keys: i diagonal blocks cost (i+1)x a causal pass. Fine for chat-length
+    # sequences; for long ones a block-sparse kernel (flex_attention) or an LSE merge would skip them.
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ttt_mask(T, len(ks) - 1, q.device))
+
+
+def unroll(
+    model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, row_masks: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Run len(row_masks) TTT steps over right-padded sequences.
+
+    input_ids [B, T]; aux [B, T, n_aux*H_t]; row_masks[i] [B, T] bool selects the indices whose
+    step-i logits are wanted. Returns (logits per step [n_i, Vd], pre-norm outputs per step [B, T, H]).
+    """
+    B, T = input_ids.shape
+    pos = torch.arange(T, device=input_ids.device).expand(B, T)
+    hidden = model.combine_hidden_states(aux)  # [B, T, H]
+    ks: list[torch.Tensor] = []
+    vs: list[torch.Tensor] = []
+    logits, prenorms = [], []
+    for i, rows in enumerate(row_masks):
+        q, k, v, residual = model.qkv(shift_left(input_ids, 1 + i), hidden, pos + i)
+        ks.append(k)
+        vs.append(v)
+        pre = model.after_attention(attend(q, ks, vs), residual)  # [B, T, H]
+        logits.append(model.compute_logits(pre[rows]))  # [n_i, Vd]
+        prenorms.append(pre)
+        hidden = model.feedback(pre)
+    return logits, prenorms
+
+
+# ---------------------------------------------------------------------------------------------
+# loss and raw counts
+
+
+@dataclass
+class Batch:
+    """A right-padded micro-batch (what `eyas.train.data` yields)."""
+
+    input_ids: torch.Tensor  # [B, T] int64
+    loss_mask: torch.Tensor  # [B, T] bool, False on padding
+    aux: torch.Tensor  # [B, T, n_aux*H_t]
+    last: torch.Tensor  # [B, T, H] final normed target states
+    num_tokens: int = 0  # real (unpadded) tokens
+
+    def to(self, device: torch.device | str) -> Batch:
+        return Batch(*(t.to(device, non_blocking=True) for t in (self.input_ids, self.loss_mask, self.aux, self.last)),
+                     num_tokens=self.num_tokens)
+
+
+STAT_KEYS = ("loss_sum", "rows", "correct", "cond_den", "cond_num", "in_vocab", "ent_sum")
+
+
+def step_masks(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Row masks per step: index p of step i is trained when x_{p+2+i} is a loss token."""
+    return [shift_left(loss_mask, 2 + i, False) for i in range(steps)]
+
+
+def ttt_loss(
+    model: Eagle3Draft, batch: Batch, head: TargetHead, steps: int, decay: float
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Σ_i decay^i · mean soft-CE of step i, and raw counts per step (float64 [steps] each):
+    loss_sum, rows, correct (draft top-1 == target top-1), cond_den/cond_num (same, among rows
+    whose steps 0..i-1 were all right), in_vocab (target top-1 inside the draft vocab), ent_sum
+    (entropy of the soft labels: the floor of loss_sum; loss_sum - ent_sum is the KL)."""
+    masks = step_masks(batch.loss_mask, steps)
+    tmask = shift_left(batch.loss_mask, 1, False)  # target position j is needed when x_{j+1} is a loss token
+    q, top = head.labels(batch.last[tmask])  # [R, Vd], [R]
+    ent = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)  # [R]
+    rowmap = torch.full(tmask.shape, -1, dtype=torch.int64, device=tmask.device)
+    rowmap[tmask] = torch.arange(q.shape[0], device=tmask.device)
+    logits, _ = model(batch.input_ids, batch.aux, masks)
+    dev = batch.input_ids.device
+    stats = {k: torch.zeros(steps, dtype=torch.float64, device=dev) for k in STAT_KEYS}
+    chain = torch.ones_like(batch.loss_mask)  # steps 0..i-1 all valid and right at index p
+    total = torch.zeros((), device=dev)
+    for i, (lg, m) in enumerate(zip(logits, masks)):
+        r = shift_left(rowmap, 1 + i, -1)[m]  # [n_i] rows of q/top for step i
+        assert bool((r >= 0).all())
+        logp = torch.log_softmax(lg.float(), dim=-1)
+        ce = -(q[r] * logp).sum(-1)  # [n_i]
+        n = ce.numel()
+        total = total + (decay**i) * ce.sum() / max(n, 1)
+        with torch.no_grad():
+            guess = model.draft_to_target(lg.argmax(-1))
+            ok = guess == top[r]
+            okm = torch.zeros_like(m)
+            okm[m] = ok
+            stats["loss_sum"][i] = ce.detach().sum()
+            stats["rows"][i] = n
+            stats["correct"][i] = ok.sum()
+            stats["cond_den"][i] = (m & chain).sum()
+            stats["cond_num"][i] = (m & chain & okm).sum()
+            stats["in_vocab"][i] = head.t2d[top[r]].sum()
+            stats["ent_sum"][i] = ent[r].sum()
+            chain = chain & m & okm
+    return total, stats
