@@ -61,7 +61,7 @@ def tiny_data(tmp_path_factory, tiny_llama) -> dict[str, Path]:
 def _cfg(data, out: Path, **kw) -> TrainConfig:
     base = dict(target=str(data["target"]), features=str(data["features"]), out=str(out), max_steps=6,
                 token_budget=256, draft_vocab_size=2048, lr=2e-3, warmup_steps=2, log_every=1, save_every=0,
-                progress=False, threads=1, ttt_steps=4)
+                progress=False, threads=1, ttt_steps=4, precision="fp32")
     base.update(kw)
     return TrainConfig(**base)
 
@@ -73,7 +73,7 @@ def _metrics(run: Path) -> list[dict]:
 def _flags(cfg: TrainConfig) -> list[str]:
     out = []
     for k in ("target", "features", "out", "max_steps", "token_budget", "draft_vocab_size", "lr", "warmup_steps",
-              "log_every", "save_every", "ttt_steps", "grad_accum", "lr_decay_steps", "threads"):
+              "log_every", "save_every", "ttt_steps", "grad_accum", "lr_decay_steps", "threads", "precision"):
         out += ["--" + k.replace("_", "-"), str(getattr(cfg, k))]
     return out + ["--no-progress"] + (["--resume"] if cfg.resume else [])
 

@@ -74,12 +74,22 @@ def broadcast_object(obj, d: Dist):
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
-    """auto: bf16 compute where the device has fast bf16 (CUDA), else fp32."""
+    """auto: bf16 compute where the device has fast bf16 (CUDA; CPUs with AVX512-BF16 / AMX), else fp32."""
     if precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"train.precision must be auto | bf16 | fp32, got {precision!r}")
     if precision == "auto":
-        return "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        if device.type == "cuda":
+            return "bf16" if torch.cuda.is_bf16_supported() else "fp32"
+        return "bf16" if device.type == "cpu" and torch.backends.mkldnn.is_available() and _cpu_has_bf16() else "fp32"
     return precision
+
+
+def _cpu_has_bf16() -> bool:
+    """Native bf16 matmul on this CPU (oneDNN's own check), measured faster than fp32 here."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def apply_fsdp(model: torch.nn.Module, d: Dist, precision: str) -> torch.nn.Module:
