@@ -25,21 +25,30 @@ def _plt():
     return plt
 
 
+def _save(fig, ax, out: Path, xlabel: str, ylabel: str, title: str, legend: bool = True) -> Path:
+    import matplotlib.pyplot as plt
+
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if legend:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def plot_al_per_position(per_position: list[float], out: Path, k: int | None = None) -> Path:
     """Bar plot of the acceptance rate at each draft position (accepted_i / drafts)."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(5, 3.2))
     xs = list(range(1, len(per_position) + 1))
     ax.bar(xs, per_position, color="#3b6ea5")
-    ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1)
     ax.set_xticks(xs)
-    ax.set_title("vLLM acceptance per position" + (f" (k={k})" if k else ""))
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    title = "vLLM acceptance per position" + (f" (k={k})" if k else "")
+    return _save(fig, ax, out, "draft position", "acceptance rate", title, legend=False)
 
 
 def plot_al_over_training(records: list[dict[str, Any]], out: Path) -> Path:
@@ -50,14 +59,7 @@ def plot_al_over_training(records: list[dict[str, Any]], out: Path) -> Path:
     ax.plot(steps, [r["true_al"] for r in records], "o-", label="true AL (vLLM)")
     ax.plot(steps, [r["est_al"] if r.get("est_al") is not None else float("nan") for r in records], "s--",
             label="estimated AL (trainer)")
-    ax.set_xlabel("training step")
-    ax.set_ylabel("acceptance length")
-    ax.legend()
-    ax.set_title("Serve-in-the-loop evaluation")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, ax, out, "training step", "acceptance length", "Serve-in-the-loop evaluation")
 
 
 def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
@@ -69,14 +71,7 @@ def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.set_xscale("log", base=2)
     ax.set_xticks(conc)
     ax.set_xticklabels([str(c) for c in conc])
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("output tokens/s")
-    ax.legend()
-    ax.set_title("Throughput vs concurrency")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return _save(fig, ax, out, "concurrency", "output tokens/s", "Throughput vs concurrency")
 
 
 def _md_table(header: list[str], rows: list[list[Any]]) -> str:
