@@ -16,7 +16,7 @@ demo: setup
 
 test: setup
 	$(EYAS) models fetch smollm2-135m-instruct
-	.venv/bin/python -m pytest -x -q $(PYTEST_ARGS)
+	.venv/bin/python -m pytest -q $(PYTEST_ARGS)
 
 test-fast: setup
 	.venv/bin/python -m pytest -x -q -m "not slow" $(PYTEST_ARGS)
