@@ -326,3 +326,15 @@ def test_unfrozen_embedding_and_fc_norm_train(tiny_data, tmp_path):
     state, meta = load_draft_state(run / "checkpoints" / "step_2")
     assert meta["draft_config"]["fc_norm"] is True and {"fc_norm.0.weight", "fc_norm.2.weight"} <= set(state)
     assert not torch.equal(state["embed_tokens.weight"], load_target_head(tiny_data["target"])[0].float())
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tiny_data, tmp_path):
+    from eyas.train import train
+    from eyas.train.checkpoint import load_draft_state
+
+    run = tmp_path / "run"
+    s = train(_cfg(tiny_data, run, max_steps=3, precision="bf16"))
+    assert json.loads((run / "manifest.json").read_text())["precision"] == "bf16"
+    assert all(x == x for x in s["last"]["acc"]) and s["last"]["loss"] == s["last"]["loss"]  # finite
+    state, _ = load_draft_state(run / "checkpoints" / "step_3")
+    assert state["fc.weight"].dtype == torch.float32 and state["lm_head.weight"].dtype == torch.float32

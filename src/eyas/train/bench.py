@@ -1,6 +1,7 @@
 """Training throughput: tokens/s of the default draft on a target, and where the time goes.
 
-One process, no process group: the draft, its optimizer and the frozen target lm_head,
+One process, no process group (bf16 through autocast where the trainer would use FSDP2's
+mixed precision): the draft, its optimizer and the frozen target lm_head,
 timed piece by piece per micro-batch: data (read + collate), target lm_head (soft labels
 and full-vocab top-1), draft forward (TTT unroll + loss), backward, optimizer (clip + AdamW).
 Data comes from a feature dir when given, else random states of the target's shapes
@@ -37,6 +38,7 @@ def run_bench(
     ttt_steps: int = 7,
     threads: int = 0,
     device: str = "",
+    precision: str = "auto",
 ) -> dict[str, Any]:
     """Print and return tokens/s and seconds per micro-batch for each part."""
     from transformers import AutoConfig
@@ -47,6 +49,7 @@ def run_bench(
     from eyas.draft.vocab import top_n_vocab
     from eyas.extract import default_layer_ids
     from eyas.models import resolve_target
+    from eyas.train.parallel import resolve_precision
 
     if threads:
         torch.set_num_threads(threads)
@@ -76,7 +79,7 @@ def run_bench(
     model.init_weights(embed.float())
     model.set_vocab(vocab.d2t, vocab.t2d)
     model.to(dev).train()
-    precision = "bf16" if dev.type == "cuda" else "fp32"
+    precision = resolve_precision(precision, dev)  # the trainer's rule (bf16 where the device has fast bf16)
     head = TargetHead(lm_head, vocab.draft_ids).to(dev, torch.bfloat16 if precision == "bf16" else torch.float32)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=TrainConfig.lr)
