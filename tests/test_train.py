@@ -14,14 +14,8 @@ import pytest
 import torch
 
 from eyas.config import ExtractConfig, TrainConfig
+from test_draft import VLLM_KEYS  # the golden list of names vLLM's llama_eagle3 loads
 
-VLLM_KEYS = {
-    "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
-    "midlayer.post_attention_layernorm.weight", "midlayer.self_attn.q_proj.weight",
-    "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight", "midlayer.self_attn.o_proj.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d", "embed_tokens.weight",
-}
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 WORDS = ("the a cat dog runs fast slow blue red green house tree river code python list sum of two "
