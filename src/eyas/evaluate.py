@@ -23,30 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from eyas.chat import validate_messages
-from eyas.export import serve_command  # noqa: F401  (deploy: the command that serves target + draft)
 
 
 def load_prompts(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]]:
     """`{"id", "domain", "messages"}` JSONL; trailing assistant turns are dropped (the target answers)."""
+    from eyas.data.store import iter_jsonl_strict
+
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"prompts file {p} does not exist")
     rows = []
-    with open(p) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n}: not JSON ({e})") from None
-            msgs = list(row.get("messages") or [])
-            while msgs and msgs[-1].get("role") == "assistant":
-                msgs.pop()
-            validate_messages(msgs, f"{p}:{n}")
-            rows.append({"id": row.get("id", f"{p.stem}-{n}"), "domain": row.get("domain") or "all", "messages": msgs})
-            if limit and len(rows) >= limit:
-                break
+    for n, row in iter_jsonl_strict(p, "the prompts file"):
+        msgs = list(row.get("messages") or [])
+        while msgs and msgs[-1].get("role") == "assistant":
+            msgs.pop()
+        validate_messages(msgs, f"{p}:{n}")
+        rows.append({"id": row.get("id", f"{p.stem}-{n}"), "domain": row.get("domain") or "all", "messages": msgs})
+        if limit and len(rows) >= limit:
+            break
     if not rows:
         raise ValueError(f"{p}: no prompts")
     return rows

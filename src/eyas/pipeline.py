@@ -114,11 +114,11 @@ def run(cfg: Recipe) -> dict[str, Any]:
         report["eval"] = evaluate(v)
 
     with _stage(timings, "bench"):
+        from eyas.bench.acceptance import domain_prompts
         from eyas.bench.throughput import bench_throughput
-        from eyas.data import read_jsonl
 
         b = cfg.bench
-        prompts = [[m for m in r["messages"] if m["role"] != "assistant"][:2] for r in read_jsonl(eval_prompts)]
+        prompts = [r["messages"] for r in domain_prompts(eval_prompts, b.limit)]
         report["throughput"] = bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens,
                                                 cfg.eval.k, out=out / "throughput.json")
 

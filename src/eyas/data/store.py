@@ -43,6 +43,21 @@ def write_jsonl(path: Path, records: Iterable[dict]) -> int:
     return n
 
 
+def iter_jsonl_strict(path: str | os.PathLike, missing_hint: str = ""):
+    """Yield `(line_no, object)` of a JSONL file; a missing file or a bad line is a ValueError naming file:line."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p} does not exist" + (f" ({missing_hint})" if missing_hint else ""))
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n}: not JSON ({e})") from None
+
+
 def read_jsonl(path: str | os.PathLike, counts: Counts | None = None) -> list[dict]:
     """Valid records of a JSONL file; bad lines are counted (when `counts` is given) and skipped."""
     counts = counts or Counts()

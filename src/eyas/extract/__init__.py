@@ -103,28 +103,21 @@ class Renderer:
 
 def read_conversations(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]]:
     """Conversations JSONL `{"id", "domain", "messages"}`; ids must be unique."""
+    from eyas.data.store import iter_jsonl_strict
+
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"conversations file {p} does not exist (make one with `eyas synth`)")
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
-    with open(p) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                conv = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n}: not JSON ({e})") from None
-            if not isinstance(conv, dict) or "messages" not in conv:
-                raise ValueError(f"{p}:{n}: expected an object with 'messages'")
-            cid = str(conv.get("id", f"line{n}"))
-            if cid in seen:
-                raise ValueError(f"{p}:{n}: duplicate id {cid!r}")
-            seen.add(cid)
-            out.append({**conv, "id": cid})
-            if limit and len(out) >= limit:
-                break
+    for n, conv in iter_jsonl_strict(p, "a conversations file: make one with `eyas synth`"):
+        if not isinstance(conv, dict) or "messages" not in conv:
+            raise ValueError(f"{p}:{n}: expected an object with 'messages'")
+        cid = str(conv.get("id", f"line{n}"))
+        if cid in seen:
+            raise ValueError(f"{p}:{n}: duplicate id {cid!r}")
+        seen.add(cid)
+        out.append({**conv, "id": cid})
+        if limit and len(out) >= limit:
+            break
     return out
 
 
