@@ -9,6 +9,7 @@ the exact `vllm serve` command for the exported draft.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -22,18 +23,14 @@ from eyas.config import Recipe, to_dict
 from eyas.manifest import write_manifest
 
 
+@contextlib.contextmanager
 def _stage(timings: dict[str, float], name: str):
-    class _T:
-        def __enter__(self):
-            self.t0 = time.perf_counter()
-            print(f"\n=== eyas run: {name} ===", flush=True)
-
-        def __exit__(self, *exc):
-            timings[name] = round(time.perf_counter() - self.t0, 1)
-            if exc[0] is None:
-                print(f"=== {name}: {timings[name]:.0f} s ===", flush=True)
-
-    return _T()
+    """Time one stage into `timings[name]` and print its banner."""
+    t0 = time.perf_counter()
+    print(f"\n=== eyas run: {name} ===", flush=True)
+    yield
+    timings[name] = round(time.perf_counter() - t0, 1)
+    print(f"=== {name}: {timings[name]:.0f} s ===", flush=True)
 
 
 def _train(cfg: Recipe, nproc: int) -> None:
