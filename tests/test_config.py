@@ -10,7 +10,7 @@ from eyas.cli import main
 def test_defaults_and_recipe():
     assert C.Recipe().train.ttt_steps == 7  # the field's default (DESIGN.md: 7 TTT steps)
     cfg = C.load_recipe("demo")
-    assert cfg.train.ttt_steps == 4 and cfg.extract.backend == "vllm"  # what recipes/demo.yaml says
+    assert cfg.train.ttt_steps == 3 and cfg.extract.backend == "vllm"  # what recipes/demo.yaml says
     assert cfg.run.target == "smollm2-135m-instruct"
     assert isinstance(cfg.train.lr, float)
 

@@ -136,6 +136,11 @@ def test_collate_pads_right(tiny_data):
         assert torch.equal(b.input_ids[i, :L], items[i]["input_ids"][:L])
         assert not b.loss_mask[i, L:].any() and b.aux[i, L:].abs().sum() == 0
         assert torch.equal(b.aux[i, :L].view(L, n, H), items[i]["aux_hidden_states"][:L])
+        assert torch.equal(b.loss_mask[i, :L], items[i]["loss_mask"][:L].bool())
+    everything = collate(items, max_len=30, loss_tokens="all")  # prompts too: every real token, no padding
+    assert [int(m.sum()) for m in everything.loss_mask] == lens and int(b.loss_mask.sum()) < sum(lens)
+    with pytest.raises(ValueError, match="loss_tokens"):
+        collate(items, max_len=30, loss_tokens="prompt")
 
 
 # ---------------------------------------------------------------------------------------------- training

@@ -35,8 +35,13 @@ from eyas.draft.ttt import Batch
 # collate
 
 
-def collate(items: list[dict[str, Any]], max_len: int) -> Batch:
-    """Right-pad samples (truncated to max_len) into a Batch; aux flattened to [B, T, n*H]."""
+def collate(items: list[dict[str, Any]], max_len: int, loss_tokens: str = "assistant") -> Batch:
+    """Right-pad samples (truncated to max_len) into a Batch; aux flattened to [B, T, n*H].
+
+    loss_tokens "assistant" keeps each sample's loss mask; "all" trains on every real token
+    (prompts too: their labels are still the target's own distributions)."""
+    if loss_tokens not in ("assistant", "all"):
+        raise ValueError(f"train.loss_tokens must be 'assistant' or 'all', got {loss_tokens!r}")
     assert items
     lens = [min(int(it["input_ids"].shape[0]), max_len) for it in items]
     B, T = len(items), max(lens)
@@ -48,7 +53,7 @@ def collate(items: list[dict[str, Any]], max_len: int) -> Batch:
     last = torch.zeros(B, T, items[0]["last_hidden_states"].shape[-1], dtype=dt)
     for b, (it, L) in enumerate(zip(items, lens)):
         ids[b, :L] = torch.as_tensor(it["input_ids"][:L], dtype=torch.int64)
-        mask[b, :L] = torch.as_tensor(it["loss_mask"][:L]).to(torch.bool)
+        mask[b, :L] = True if loss_tokens == "all" else torch.as_tensor(it["loss_mask"][:L]).to(torch.bool)
         aux[b, :L] = it["aux_hidden_states"][:L].reshape(L, n * H).to(dt)
         last[b, :L] = it["last_hidden_states"][:L].to(dt)
     return Batch(ids, mask, aux, last, num_tokens=sum(lens))

@@ -62,6 +62,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("token_budget and max_len must be >= 8")
     if not 0 < cfg.position_decay <= 1:
         raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
+    if cfg.loss_tokens not in ("assistant", "all"):
+        raise ValueError(f"unknown train.loss_tokens {cfg.loss_tokens!r}: assistant | all")
     if cfg.source not in ("offline", "online", "streaming"):
         raise ValueError(f"unknown train.source {cfg.source!r}: offline | online | streaming")
 
@@ -241,7 +243,7 @@ def _train_with(cfg, d, run_dir, precision, ckpt, target_dir, tcfg, src, data) -
             break
         for a, items in enumerate(mbs):
             td = time.perf_counter()
-            batch = collate(items, cfg.max_len).to(d.device)
+            batch = collate(items, cfg.max_len, cfg.loss_tokens).to(d.device)
             win.data_s += time.perf_counter() - td
             model.set_requires_gradient_sync(a == len(mbs) - 1)
             loss, stats = ttt_loss(model, batch, head, K, cfg.position_decay)
