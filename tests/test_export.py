@@ -196,6 +196,16 @@ def test_fp8_format(tiny_llama, tmp_path):
             assert sf.get_tensor(keep).dtype == torch.bfloat16
         assert sf.get_tensor("d2t").dtype == torch.int64 and sf.get_tensor("t2d").dtype == torch.bool
     assert validate_draft(d, tiny_llama)["quantization"] == "fp8"
+    # fp8-emulated: the same rounded weights, stored as bf16 with no quantization_config (vLLM CPU serves it)
+    e = write_draft(state, cfg, tmp_path / "fp8e", tiny_llama, dtype="fp8-emulated")
+    assert "quantization_config" not in json.loads((e / "config.json").read_text())
+    emu, fp8 = tensors(e), tensors(d)
+    assert not any(n.endswith("weight_scale") for n in emu)
+    for lin in LINEARS:
+        want = (fp8[f"{lin}.weight"].float() * fp8[f"{lin}.weight_scale"]).to(torch.bfloat16)
+        assert emu[f"{lin}.weight"].dtype == torch.bfloat16 and torch.equal(emu[f"{lin}.weight"], want)
+    assert torch.equal(emu["lm_head.weight"], fp8["lm_head.weight"])
+    assert validate_draft(e, tiny_llama)["quantization"] == "none"
 
 
 def test_fp8_validation_needs_scales(tiny_llama, tmp_path):

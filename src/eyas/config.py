@@ -130,7 +130,7 @@ class ExportConfig:
     out: str = ""
     checkpoint: str = "best"  # best | latest | step_N
     format: str = "vllm"  # vllm | speculators
-    dtype: str = "bf16"  # bf16 | fp8
+    dtype: str = "bf16"  # bf16 | fp8 | fp8-emulated (fp8-rounded weights stored as bf16, for vLLM CPU)
     verify: bool = False  # reload the draft in vLLM with the target and decode a few tokens speculatively
     target: str = ""  # default: the target recorded in the checkpoint
     k: int = 3  # num_speculative_tokens for --verify, the serve command and the speculators config

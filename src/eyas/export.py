@@ -68,7 +68,9 @@ FROM_TARGET = (
     "pad_token_id",
 )
 FP8_MAX = 448.0  # float8_e4m3fn
-DTYPES = ("bf16", "fp8")
+# fp8-emulated: the fp8 draft's weights (rounded to E4M3 with its scales) stored back in bf16, for
+# vLLM builds without an FP8 kernel (CPU): acceptance of FP8 weights, not FP8 speed
+DTYPES = ("bf16", "fp8", "fp8-emulated")
 FORMATS = ("vllm", "speculators")
 
 
@@ -254,10 +256,13 @@ def write_draft(
             tensors[name] = t.to(torch.int64).contiguous()
         elif name == "t2d":
             tensors[name] = t.to(torch.bool).contiguous()
-        elif dtype == "fp8" and name.endswith(".weight") and name[: -len(".weight")] in LINEARS:
+        elif dtype != "bf16" and name.endswith(".weight") and name[: -len(".weight")] in LINEARS:
             q, s = _fp8_quantize(t)
-            tensors[name] = q.contiguous()
-            tensors[name[: -len(".weight")] + ".weight_scale"] = s
+            if dtype == "fp8":
+                tensors[name] = q.contiguous()
+                tensors[name[: -len(".weight")] + ".weight_scale"] = s
+            else:  # dequantized: E4M3 x scale, rounded to bf16 (2^-9 relative, small against E4M3's 2^-4)
+                tensors[name] = (q.float() * s).to(torch.bfloat16).contiguous()
         else:
             tensors[name] = t.to(torch.bfloat16).contiguous()
     if fmt == "speculators":
