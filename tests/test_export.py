@@ -277,7 +277,11 @@ def test_serve_command():
     assert ("vllm serve /m/target --speculative-config "
             "'{\"method\": \"eagle3\", \"model\": \"/m/draft\", \"num_speculative_tokens\": 3}'") in cmd
     assert "python -m vllm.entrypoints.openai.api_server --model /m/target" in cmd
-    assert "emulation copy" in serve_command("/m/t", "/m/d", 3, quantized=True)
+    q = serve_command("/m/q", "/m/d", 3, quantized=True, emulated="/m/q/emulated").splitlines()
+    assert ("VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_FP4_ASM_GEMM=1 vllm serve /m/q --speculative-config "
+            "'{\"method\": \"eagle3\", \"model\": \"/m/d\", \"num_speculative_tokens\": 3}'") in q
+    assert any("--model /m/q/emulated" in line and "api_server" in line for line in q)
+    assert any("emulation copy" in line for line in q) and any("MI350" in line for line in q)
 
 
 # ---------------------------------------------------------------- vLLM

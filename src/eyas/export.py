@@ -608,23 +608,33 @@ def serve_argv(target: str | os.PathLike, draft: str | os.PathLike, k: int = 3, 
     return ["vllm", "serve", str(target), "--speculative-config", spec]
 
 
-def serve_command(target: str | os.PathLike, draft: str | os.PathLike, k: int = 3, quantized: bool = False) -> str:
+ROCM_MXFP4_ENV = "VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_FP4_ASM_GEMM=1"
+
+
+def serve_command(target: str | os.PathLike, draft: str | os.PathLike, k: int = 3, quantized: bool = False,
+                  emulated: str | os.PathLike | None = None) -> str:
     """The exact commands that serve `target` with the EAGLE-3 `draft`: `vllm serve`, and the vLLM CPU form.
 
-    quantized: the target is an MXFP4 Quark checkpoint (vLLM reads its quantization_config;
-    vLLM CPU has no MXFP4 kernel, so there the dequantized emulation copy is served).
+    quantized: `target` is an MXFP4 Quark checkpoint. The GPU line is then vLLM on ROCm with
+    AITER's FP4 kernels (MI350 series run MXFP4 natively; vLLM reads the quantization_config),
+    and the CPU line serves `emulated`, the dequantized copy (vLLM CPU has no MXFP4 kernel).
     """
     import shlex
 
     gpu = shlex.join(serve_argv(target, draft, k))
-    cpu_argv = serve_argv(target, draft, k, cpu=True)
+    cpu_target = emulated if (quantized and emulated) else target
+    cpu_argv = serve_argv(cpu_target, draft, k, cpu=True)
     cpu_argv[0] = "python"
     cpu = "VLLM_CPU_KVCACHE_SPACE=4 " + shlex.join(cpu_argv + ["--max-model-len", "4096"])
-    lines = ["# GPU / ROCm:", gpu, "# vLLM CPU (`vllm serve` fails under the vllm-cpu distribution):", cpu]
-    if quantized:
-        lines.insert(2, "# (MXFP4 Quark target: vLLM picks the quantization from its config.json)")
-        lines.insert(4, "# vLLM CPU has no MXFP4 kernel: give --model the dequantized emulation copy (eyas quantize --emulate)")
-    return "\n".join(lines)
+    if not quantized:
+        return "\n".join(["# GPU / ROCm:", gpu, "# vLLM CPU (`vllm serve` fails under the vllm-cpu distribution):", cpu])
+    return "\n".join([
+        "# ROCm, MXFP4 Quark target (AMD Instinct MI350 series: native FP4; vLLM reads its quantization_config):",
+        f"{ROCM_MXFP4_ENV} {gpu}",
+        "# vLLM CPU has no MXFP4 kernel: the dequantized emulation copy (eyas quantize --emulate), numerically",
+        "# MXFP4 weight-only (`vllm serve` fails under the vllm-cpu distribution):",
+        cpu,
+    ])
 
 
 # ---------------------------------------------------------------- CLI
@@ -719,7 +729,9 @@ def cli(cfg, actions: list[str]) -> int:
         raise ValueError(f"eyas export takes no actions, got {actions}")
     draft = export_run(cfg.export)
     man = read_manifest(draft) or {}
-    print(serve_command(man.get("target", ""), draft, cfg.export.k))
+    target = man.get("target", "")
+    quark = (read_manifest(Path(target)) or {}).get("quantized") if target else None  # an `--emulate` copy
+    print(serve_command(quark or target, draft, cfg.export.k, quantized=bool(quark), emulated=target))
     print(json.dumps({"draft": str(draft), "checkpoint": man.get("checkpoint"), **man.get("validated", {}),
                       **({"verified": man["verified"]} if "verified" in man else {})}))
     return 0

@@ -58,13 +58,13 @@ def run(cfg: Recipe) -> dict[str, Any]:
 
     with _stage(timings, "target"):
         target = resolve_target(cfg.run.target)
-        serve_target = target
+        serve_target = quark_target = target
         if cfg.run.quantized_target:
             from eyas.quant import quantize_model
 
             cfg.quantize.model, cfg.quantize.out, cfg.quantize.emulate = str(target), str(out / "target_mxfp4"), True
             q = quantize_model(cfg.quantize)
-            serve_target = Path(q["emulated"])
+            serve_target, quark_target = Path(q["emulated"]), Path(q["out"])
         report["target"] = str(target)
         report["served_target"] = str(serve_target)
 
@@ -125,7 +125,8 @@ def run(cfg: Recipe) -> dict[str, Any]:
     se = out / "train" / "serve_eval.jsonl"
     report["serve_eval"] = [json.loads(x) for x in se.read_text().splitlines() if x.strip()] if se.exists() else []
     report["timings"] = timings
-    report["serve_command"] = serve_command(serve_target, draft, cfg.eval.k, quantized=cfg.run.quantized_target)
+    report["serve_command"] = serve_command(quark_target, draft, cfg.eval.k, quantized=cfg.run.quantized_target,
+                                            emulated=serve_target)
     paths_out = write_report(out, report)
     write_manifest(out, "run", cfg, complete=True, timings=timings, report=str(paths_out["json"]))
     print(f"\neyas run: acceptance length {report['eval'].get('acceptance_length', float('nan')):.3f} "
