@@ -27,14 +27,15 @@ def load_tokenizer(model_dir: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def load_chat_template(model_dir: str | os.PathLike, template_file: str = "") -> str:
-    """The template file given (as `vllm serve --chat-template`), else the tokenizer's own."""
+def load_chat_template(model_dir: str | os.PathLike, template_file: str = "", tok: Any = None) -> str:
+    """The template file given (as `vllm serve --chat-template`), else the tokenizer's own
+    (`tok`, when the caller has it loaded already)."""
     if template_file:
         p = Path(template_file)
         if not p.exists():
             raise ValueError(f"chat template file {p} does not exist")
         return p.read_text()
-    tok = load_tokenizer(model_dir)
+    tok = tok if tok is not None else load_tokenizer(model_dir)
     if not tok.chat_template:
         raise ValueError(f"{model_dir}: the tokenizer has no chat template; pass a template file (--chat-template)")
     return tok.chat_template if isinstance(tok.chat_template, str) else tok.chat_template["default"]

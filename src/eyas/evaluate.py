@@ -48,7 +48,8 @@ def _fit(prompts: list[dict[str, Any]], target: Path, max_model_len: int, max_to
     """Drop prompts whose rendered length leaves no room for max_tokens (vLLM would refuse the batch)."""
     from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
 
-    tok, tpl = load_tokenizer(target), load_chat_template(target)
+    tok = load_tokenizer(target)
+    tpl = load_chat_template(target, tok=tok)
     keep = [p for p in prompts if len(render_prompt_ids(tok, p["messages"], tpl)) + max_tokens <= max_model_len]
     return keep, len(prompts) - len(keep)
 
@@ -82,11 +83,8 @@ def summarize(counters: dict[str, Any], k: int | None) -> dict[str, Any]:
 
 def counters_from_prometheus(text: str) -> dict[str, Any]:
     """Spec-decode counters from a server's `/metrics` text (summed over label sets)."""
-    names = {
-        "vllm:spec_decode_num_drafts": "num_drafts",
-        "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
-        "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
-    }
+    from eyas.vllm_runner import COUNTERS, PER_POS
+
     out: dict[str, Any] = {}
     per_pos: dict[int, int] = {}
     for line in text.splitlines():
@@ -95,9 +93,9 @@ def counters_from_prometheus(text: str) -> dict[str, Any]:
         metric, _, value = line.rpartition(" ")
         name, _, labels = metric.partition("{")
         name = name.removesuffix("_total")
-        if name in names:
-            out[names[name]] = out.get(names[name], 0) + int(float(value))
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+        if name in COUNTERS:
+            out[COUNTERS[name]] = out.get(COUNTERS[name], 0) + int(float(value))
+        elif name == PER_POS:
             pos = int(labels.split('position="', 1)[1].split('"', 1)[0])
             per_pos[pos] = per_pos.get(pos, 0) + int(float(value))
     if per_pos:

@@ -67,7 +67,6 @@ FROM_TARGET = (
     "eos_token_id",
     "pad_token_id",
 )
-FP8_MAX = 448.0  # float8_e4m3fn
 # fp8-emulated: the fp8 draft's weights (rounded to E4M3 with its scales) stored back in bf16, for
 # vLLM builds without an FP8 kernel (CPU): acceptance of FP8 weights, not FP8 speed
 DTYPES = ("bf16", "fp8", "fp8-emulated")
@@ -101,14 +100,12 @@ def _target_embed(target_dir: Path):
 
 
 def _fp8_quantize(w):
-    """Per-tensor FP8-E4M3: scale = amax / 448, clamp to ±448 before the cast. -> (w_fp8, scale [] f32)."""
-    import torch
+    """Per-tensor FP8-E4M3 (the features' per-row quantizer over one row): w [O, I] ->
+    (w_fp8 [O, I], scale [] fp32 = amax / 448)."""
+    from eyas.features import quantize_fp8
 
-    w32 = w.float()
-    amax = w32.abs().max()
-    scale = (amax / FP8_MAX).clamp(min=1e-12) if amax > 0 else torch.tensor(1.0)
-    q = (w32 / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale.reshape(()).to(torch.float32)
+    q, scale = quantize_fp8(w.reshape(1, -1))
+    return q.reshape(w.shape), scale.reshape(())
 
 
 def build_config(
@@ -225,6 +222,8 @@ def write_draft(
     import torch
     from safetensors.torch import save_file
 
+    from eyas.features import dequantize_fp8
+
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     if fmt not in FORMATS:
@@ -262,7 +261,7 @@ def write_draft(
                 tensors[name] = q.contiguous()
                 tensors[name[: -len(".weight")] + ".weight_scale"] = s
             else:  # dequantized: E4M3 x scale, rounded to bf16 (2^-9 relative, small against E4M3's 2^-4)
-                tensors[name] = (q.float() * s).to(torch.bfloat16).contiguous()
+                tensors[name] = dequantize_fp8(q.reshape(1, -1), s.reshape(1)).reshape(q.shape).contiguous()
         else:
             tensors[name] = t.to(torch.bfloat16).contiguous()
     if fmt == "speculators":
@@ -304,13 +303,6 @@ def write_draft(
     return out
 
 
-def default_layer_ids(num_layers: int) -> list[int]:
-    """(2, L//2, L-3), the EAGLE-3 default, for L >= 6; spread evenly below that."""
-    if num_layers >= 6:
-        return [2, num_layers // 2, num_layers - 3]
-    return sorted({max(0, min(num_layers - 1, i)) for i in (1, num_layers // 2, num_layers - 1)})
-
-
 def random_draft(
     target_dir: str | os.PathLike,
     draft_vocab_size: int = 0,
@@ -325,6 +317,8 @@ def random_draft(
     embed_tokens is the target's own, so the export drops it.
     """
     import torch
+
+    from eyas.extract import default_layer_ids
 
     tcfg = read_json(Path(target_dir) / "config.json")
     H, I, V = tcfg["hidden_size"], tcfg["intermediate_size"], tcfg["vocab_size"]

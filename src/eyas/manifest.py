@@ -6,6 +6,7 @@ atomic (temp file + rename) so a kill never leaves a half-written manifest.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -20,7 +21,8 @@ import eyas
 MANIFEST = "manifest.json"
 
 
-def _git_commit() -> str | None:
+@functools.lru_cache(maxsize=1)
+def _git_commit() -> str | None:  # once per process: manifests are rewritten after every shard
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5

@@ -100,7 +100,7 @@ def fetch(name: str, check: bool = True, force: bool = False) -> Path:
     if name not in REGISTRY:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or pass a local HF model dir)")
     spec, out = REGISTRY[name], model_dir(name)
-    man = read_manifest(out) if out.exists() else None
+    man = read_manifest(out)
     if man and man.get("complete") and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -122,8 +122,9 @@ def run(cfg: Recipe) -> dict[str, Any]:
     from eyas.export import serve_command
     from eyas.report import write_report
 
-    se = out / "train" / "serve_eval.jsonl"
-    report["serve_eval"] = [json.loads(x) for x in se.read_text().splitlines() if x.strip()] if se.exists() else []
+    from eyas.serve_eval import read_records
+
+    report["serve_eval"] = read_records(out / "train")
     report["timings"] = timings
     report["serve_command"] = serve_command(quark_target, draft, cfg.eval.k, quantized=cfg.run.quantized_target,
                                             emulated=serve_target)

@@ -18,6 +18,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from eyas.data.store import append_jsonl
 from eyas.manifest import atomic_write_text
 
 LOG = "serve_eval.jsonl"
@@ -28,13 +29,6 @@ def read_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     if not p.exists():
         return []
     return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
-
-
-def _append(run_dir: Path, record: dict[str, Any]) -> None:
-    with open(run_dir / LOG, "a") as f:
-        f.write(json.dumps(record) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def best_record(run_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -105,7 +99,7 @@ def on_checkpoint(
     except RuntimeError as e:
         record.update(true_al=None, eval_seconds=time.perf_counter() - t1, error=str(e)[-2000:],
                       log=str(out / "vllm.log"))
-        _append(run_dir, record)
+        append_jsonl(run_dir / LOG, [record])
         print(f"eyas serve-eval: step {step}: vLLM failed (see {out / 'vllm.log'})\n{traceback.format_exc()}",
               file=sys.stderr)
         return record
@@ -127,7 +121,7 @@ def on_checkpoint(
     record["best"] = best is None or best.get("true_al") is None or record["true_al"] > best["true_al"]
     if record["best"]:
         mark_best(run_dir, ckpt_dir, record)
-    _append(run_dir, record)
+    append_jsonl(run_dir / LOG, [record])
     print(
         f"eyas serve-eval: step {step}: true AL {record['true_al']:.3f} (est {est_al}), "
         f"per pos {[round(x, 3) for x in record['per_pos']]}, eval {record['eval_seconds']:.0f}s"

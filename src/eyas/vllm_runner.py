@@ -110,7 +110,6 @@ def main(spec_path: str, result_path: str) -> None:
                 "texts": [o.outputs[0].text for o in outs] if spec.get("return_texts", True) else [],
             }
         )
-    result["counters"] = read_counters(llm)
     tmp = Path(result_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, result_path)

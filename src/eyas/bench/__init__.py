@@ -22,14 +22,14 @@ def _write(out: str, name: str, result) -> None:
         (p / f"bench_{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
-def _prompts(b) -> Path:
+def _prompts(cfg) -> Path:
+    """--prompts, else the eval split of the recipe's data mix (as `eyas data mix` builds it)."""
     from eyas.data import build_mix, data_root
-    from eyas.config import DataConfig
 
-    if b.prompts:
-        return Path(b.prompts)
-    d = DataConfig()
-    return build_mix(d.sources, d.max_per_source, d.seed, data_root() / "mix", d.eval_fraction)["eval"]
+    if cfg.bench.prompts:
+        return Path(cfg.bench.prompts)
+    d = cfg.data
+    return build_mix(d.sources, d.max_per_source, d.seed, d.out or data_root() / "mix", d.eval_fraction)["eval"]
 
 
 def cli(cfg, actions: list[str]) -> int:
@@ -45,13 +45,13 @@ def cli(cfg, actions: list[str]) -> int:
     if what == "al":
         from eyas.bench.acceptance import bench_acceptance
 
-        res = bench_acceptance(target, Path(b.draft), _prompts(b), b.context_buckets, b.per_bucket, b.limit,
+        res = bench_acceptance(target, Path(b.draft), _prompts(cfg), b.context_buckets, b.per_bucket, b.limit,
                                b.k, b.max_tokens)
     elif what == "throughput":
         from eyas.bench.throughput import bench_throughput
         from eyas.bench.acceptance import domain_prompts
 
-        prompts = [r["messages"] for r in domain_prompts(_prompts(b), b.limit)]
+        prompts = [r["messages"] for r in domain_prompts(_prompts(cfg), b.limit)]
         res = bench_throughput(target, Path(b.draft), prompts, b.concurrency, b.max_tokens, b.k)
         print(json.dumps(res, indent=2))
     elif what == "extract":

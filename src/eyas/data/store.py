@@ -43,6 +43,16 @@ def write_jsonl(path: Path, records: Iterable[dict]) -> int:
     return n
 
 
+def append_jsonl(path: str | os.PathLike, recs: list[dict]) -> None:
+    """Append records and fsync: what is appended survives a crash right after."""
+    if not recs:
+        return
+    with open(path, "ab") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def iter_jsonl_strict(path: str | os.PathLike, missing_hint: str = ""):
     """Yield `(line_no, object)` of a JSONL file; a missing file or a bad line is a ValueError naming file:line."""
     p = Path(path)

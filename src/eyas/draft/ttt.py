@@ -129,17 +129,19 @@ def ttt_mask(T: int, step: int, device: torch.device | str = "cpu") -> torch.Ten
     return torch.cat([causal] + [eye] * step, dim=1)
 
 
-def attend(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
-    """q [B, nh, T, D]; ks/vs: step 0..i keys/values [B, nkv, T, D] -> [B, nh, T, D]."""
-    T, nh, nkv = q.shape[2], q.shape[1], ks[0].shape[1]
+def attend(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
+           mask: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, nh, T, D]; ks/vs: step 0..i keys/values [B, nkv, T, D] -> [B, nh, T, D].
+    mask: `ttt_mask(T, j)` for any j >= i (its first (i+1)T columns are step i's); built here if None."""
+    T, i = q.shape[2], len(ks) - 1
     k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # [B, nkv, (i+1)T, D]
-    if nkv != nh:
-        k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
-    if len(ks) == 1:  # step 0: plain causal attention (the kernel skips the masked blocks)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    gqa = ks[0].shape[1] != q.shape[1]
+    if i == 0:  # step 0: plain causal attention (the kernel skips the masked blocks)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     # Dense over the (i+1)T keys: i diagonal blocks cost (i+1)x a causal pass. Fine for chat-length
     # sequences; for long ones a block-sparse kernel (flex_attention) or an LSE merge would skip them.
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=ttt_mask(T, len(ks) - 1, q.device))
+    mask = ttt_mask(T, i, q.device) if mask is None else mask[:, : (i + 1) * T]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 def unroll(
@@ -153,6 +155,7 @@ def unroll(
     B, T = input_ids.shape
     pos = torch.arange(T, device=input_ids.device).expand(B, T)
     hidden = model.combine_hidden_states(aux)  # [B, T, H]
+    mask = ttt_mask(T, len(row_masks) - 1, input_ids.device)  # one mask for every step
     ks: list[torch.Tensor] = []
     vs: list[torch.Tensor] = []
     logits, prenorms = [], []
@@ -160,7 +163,7 @@ def unroll(
         q, k, v, residual = model.qkv(shift_left(input_ids, 1 + i), hidden, pos + i)
         ks.append(k)
         vs.append(v)
-        pre = model.after_attention(attend(q, ks, vs), residual)  # [B, T, H]
+        pre = model.after_attention(attend(q, ks, vs, mask), residual)  # [B, T, H]
         logits.append(model.compute_logits(pre[rows]))  # [n_i, Vd]
         prenorms.append(pre)
         hidden = model.feedback(pre)
@@ -213,8 +216,7 @@ def ttt_loss(
     chain = torch.ones_like(batch.loss_mask)  # steps 0..i-1 all valid and right at index p
     total = torch.zeros((), device=dev)
     for i, (lg, m) in enumerate(zip(logits, masks)):
-        r = shift_left(rowmap, 1 + i, -1)[m]  # [n_i] rows of q/top for step i
-        assert bool((r >= 0).all())
+        r = shift_left(rowmap, 1 + i, -1)[m]  # [n_i] rows of q/top for step i (>= 0: m implies tmask there)
         logp = torch.log_softmax(lg.float(), dim=-1)
         ce = -(q[r] * logp).sum(-1)  # [n_i]
         n = ce.numel()

@@ -133,18 +133,10 @@ def build_draft_vocab(
     size: int,
     vocab_size: int,
     cache_dir: str | os.PathLike | None = None,
-    content_hash: str | None = None,
 ) -> DraftVocab:
-    """Count over `samples` (input_ids, loss_mask) and take the top `size`; cached in `cache_dir`.
-
-    When `content_hash` (a hash of exactly the ids and masks) is known up front, a cache hit
-    skips the pass; otherwise the pass computes it and the cache is checked afterwards.
-    """
+    """Count over `samples` (input_ids, loss_mask) and take the top `size`; cached in `cache_dir`
+    under a key of the counted content (ids and masks), `size` and `vocab_size`."""
     cache = Path(cache_dir) if cache_dir else None
-    if cache is not None and content_hash:
-        hit = _cached(cache, vocab_key(content_hash, size, vocab_size))
-        if hit is not None:
-            return hit
     counter = TokenCounter(vocab_size)
     for ids, mask in samples:
         counter.add(ids, mask)
@@ -152,7 +144,7 @@ def build_draft_vocab(
         raise ValueError("no samples to count the draft vocab over")
     if int(counter.counts.sum()) == 0:
         raise ValueError("no loss-masked tokens in the data: the draft vocab (and the loss) would be empty")
-    key = vocab_key(content_hash or counter.content_hash(), size, vocab_size)
+    key = vocab_key(counter.content_hash(), size, vocab_size)
     if cache is not None:
         hit = _cached(cache, key)
         if hit is not None:

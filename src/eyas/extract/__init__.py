@@ -79,7 +79,7 @@ class Renderer:
         from eyas.manifest import tokenizer_hash
 
         self.tokenizer = load_tokenizer(target)
-        self.template = load_chat_template(target, chat_template)
+        self.template = load_chat_template(target, chat_template, tok=self.tokenizer)
         self.template_hash = template_hash(self.template)
         self.tokenizer_hash = tokenizer_hash(target)
         self.max_len = max_len
@@ -312,7 +312,7 @@ def extract(cfg) -> Path:
                 ntok += s["input_ids"].shape[0]
             writer.flush()
             rate = ntok / max(time.time() - t0, 1e-9)
-            _log(f"{len(writer.done_ids)}/{len(convs)} conversations, {rate:.0f} tok/s")
+            _log(f"{sum(s['num_samples'] for s in writer.shards)}/{len(convs)} conversations, {rate:.0f} tok/s")
     finally:
         if extractor is not None:
             extractor.close()

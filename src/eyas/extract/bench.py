@@ -47,27 +47,15 @@ def _plain_prefill_tok_s(target: Path, samples: list[dict], compute_dtype: str, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eyas.extract.hf import DTYPES
+    from eyas.extract.hf import DTYPES, length_batches, pad_batch
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=DTYPES[compute_dtype]).eval()
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
-    order = sorted(range(len(samples)), key=lambda i: lengths[i])
-    batches, cur = [], []
-    for i in order:
-        if cur and max(lengths[j] for j in cur + [i]) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    batches += [cur] if cur else []
+    batches = length_batches(lengths, batch_tokens)
 
     def run() -> None:
         for b in batches:
-            T = max(lengths[i] for i in b)
-            ids = torch.zeros((len(b), T), dtype=torch.int64)
-            attn = torch.zeros((len(b), T), dtype=torch.int64)
-            for r, i in enumerate(b):
-                ids[r, : lengths[i]] = samples[i]["input_ids"]
-                attn[r, : lengths[i]] = 1
+            ids, attn = pad_batch([samples[i]["input_ids"] for i in b], 0)
             model(input_ids=ids, attention_mask=attn, use_cache=False, logits_to_keep=1)
 
     with torch.inference_mode():
@@ -75,7 +63,6 @@ def _plain_prefill_tok_s(target: Path, samples: list[dict], compute_dtype: str, 
         t0 = time.perf_counter()
         run()
         dt = time.perf_counter() - t0
-    del model
     return sum(lengths) / dt
 
 
@@ -118,8 +105,6 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
 
     The vllm backend spawns engine processes: call this under `if __name__ == "__main__":`.
     """
-    import torch
-
     from eyas.extract import Renderer, make_extractor, read_conversations
     from eyas.models import resolve_target
 

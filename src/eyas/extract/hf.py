@@ -28,6 +28,30 @@ def decoder_layers(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     return decoder, layers
 
 
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by ascending length so that longest x count <= batch_tokens (a longer one alone)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches, cur, longest = [], [], 0
+    for i in order:
+        if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, lengths[i])
+    return batches + ([cur] if cur else [])
+
+
+def pad_batch(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T_i] id tensors -> right-padded ids [B, T] and attention mask [B, T] (int64)."""
+    T = max(int(x.shape[0]) for x in seqs)
+    ids = torch.full((len(seqs), T), pad_id, dtype=torch.int64)
+    attn = torch.zeros((len(seqs), T), dtype=torch.int64)
+    for b, x in enumerate(seqs):
+        ids[b, : x.shape[0]] = x
+        attn[b, : x.shape[0]] = 1
+    return ids, attn
+
 class HFExtractor(Extractor):
     backend = "hf"
 
@@ -60,28 +84,12 @@ class HFExtractor(Extractor):
 
         return pre_hook
 
-    def _batches(self, lengths: list[int]) -> list[list[int]]:
-        order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-        batches, cur, longest = [], [], 0
-        for i in order:
-            if cur and max(longest, lengths[i]) * (len(cur) + 1) > self.batch_tokens:
-                batches.append(cur)
-                cur, longest = [], 0
-            cur.append(i)
-            longest = max(longest, lengths[i])
-        return batches + ([cur] if cur else [])
-
     @torch.inference_mode()
     def _forward(self, input_ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         lengths = [int(x.shape[0]) for x in input_ids]
         out: list[Any] = [None] * len(input_ids)
-        for batch in self._batches(lengths):
-            T = max(lengths[i] for i in batch)
-            ids = torch.full((len(batch), T), self.pad_id, dtype=torch.int64)
-            attn = torch.zeros((len(batch), T), dtype=torch.int64)
-            for b, i in enumerate(batch):
-                ids[b, : lengths[i]] = input_ids[i]
-                attn[b, : lengths[i]] = 1
+        for batch in length_batches(lengths, self.batch_tokens):
+            ids, attn = pad_batch([input_ids[i] for i in batch], self.pad_id)
             self._captured.clear()
             res = self.decoder(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)
             last = res.last_hidden_state  # [B, T, H], after the final norm

@@ -148,7 +148,7 @@ def quantize_model(cfg, log=print) -> dict[str, Any]:
         raise ValueError(f"{src} is already quantized (quantization_config.quant_method={method!r}); give a bf16 model")
     exclude = list(dict.fromkeys(ALWAYS_EXCLUDE + list(cfg.exclude)))
     plan = {"config": dataclasses.asdict(cfg), "source": str(src.resolve()), "exclude": exclude}
-    man = read_manifest(out) if out.exists() else None
+    man = read_manifest(out)
     if man and man.get("complete") and man.get("plan") == plan:
         log(f"eyas quantize: {out} is complete for this model and config; skipping")
         return man

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import SynthConfig
+from eyas.data.store import append_jsonl
 from eyas.synth.engines import Completion, EndpointEngine, EngineError, Request, Sampling
 
 OUT_FILE, SKIP_FILE = "conversations.jsonl", "skipped.jsonl"
@@ -140,15 +141,6 @@ def scan_jsonl(path: Path) -> list[dict[str, Any]]:
     return recs
 
 
-def append_jsonl(path: Path, recs: list[dict[str, Any]]) -> None:
-    if not recs:
-        return
-    with open(path, "ab") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
-        f.flush()
-        os.fsync(f.fileno())
-
-
 @contextlib.contextmanager
 def open_engine(cfg: SynthConfig, target: Path):
     """Endpoints (`--endpoint`), a local server (`--serve`), or vLLM in this process."""
@@ -243,9 +235,10 @@ def synthesize(cfg: SynthConfig, engine=None) -> Path:
         raise ValueError("eyas synth needs --prompts IN.jsonl and --out DIR")
     target = resolve_target(cfg.target)
     out = Path(cfg.out)
-    tok, template = load_tokenizer(target), load_chat_template(target, cfg.chat_template)
+    tok = load_tokenizer(target)
+    template = load_chat_template(target, cfg.chat_template, tok=tok)
     key = _key(cfg, target, template)
-    man = read_manifest(out) if out.exists() else None
+    man = read_manifest(out)
     if man is None and (out / OUT_FILE).exists():
         raise ValueError(f"{out} holds {OUT_FILE} but no manifest: not a synth output, pick another --out")
     if man is not None and man.get("key") != key:

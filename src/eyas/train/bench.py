@@ -46,7 +46,7 @@ def run_bench(
     from eyas.config import TrainConfig
     from eyas.draft.model import DraftSpec, Eagle3Draft
     from eyas.draft.ttt import TargetHead, load_target_head, ttt_loss
-    from eyas.draft.vocab import top_n_vocab
+    from eyas.draft.vocab import build_draft_vocab, top_n_vocab
     from eyas.extract import default_layer_ids
     from eyas.models import resolve_target
     from eyas.train.parallel import resolve_precision
@@ -65,10 +65,7 @@ def run_bench(
 
         src = OfflineSource(features, max_len=seq_len)
         layer_ids = src.layer_ids
-        counts = torch.zeros(V, dtype=torch.int64)
-        for ids, m in src.ids_masks():
-            counts += torch.bincount(ids[m.bool()], minlength=V)
-        vocab = top_n_vocab(counts, min(draft_vocab_size, V))
+        vocab = build_draft_vocab(src.ids_masks(), min(draft_vocab_size, V), V)
         order = GlobalBatches(src.lengths, token_budget, seed=0)
     else:
         layer_ids = default_layer_ids(int(tcfg.num_hidden_layers))

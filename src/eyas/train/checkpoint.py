@@ -46,27 +46,36 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
     return steps[-1][1] if steps else None
 
 
-def _rng_state() -> dict[str, Any]:
+def _save_rng_state(path: Path) -> None:
+    """This rank's torch / numpy / python (/ cuda) RNG states as safetensors (no pickle)."""
     import random
 
     import numpy as np
+    from safetensors.torch import save_file
 
-    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    tensors = {"torch": torch.get_rng_state(), "numpy_keys": torch.from_numpy(keys.astype(np.int64))}
     if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state()
-    return st
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    meta = {"python": random.getstate(), "numpy": [name, int(pos), int(has_gauss), float(gauss)]}
+    save_file(tensors, str(path), metadata={"state": json.dumps(meta)})
 
 
-def _set_rng_state(st: dict[str, Any]) -> None:
+def _load_rng_state(path: Path) -> None:
     import random
 
     import numpy as np
+    from safetensors import safe_open
 
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    np.random.set_state(st["numpy"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state(st["cuda"])
+    with safe_open(str(path), "pt") as f:
+        meta = json.loads(f.metadata()["state"])
+        torch.set_rng_state(f.get_tensor("torch"))
+        name, pos, has_gauss, gauss = meta["numpy"]
+        np.random.set_state((name, f.get_tensor("numpy_keys").numpy().astype(np.uint32), pos, has_gauss, gauss))
+        if "cuda" in f.keys() and torch.cuda.is_available():
+            torch.cuda.set_rng_state(f.get_tensor("cuda"))
+    version, state, py_gauss = meta["python"]
+    random.setstate((version, tuple(state), py_gauss))
 
 
 def save_checkpoint(
@@ -96,7 +105,7 @@ def save_checkpoint(
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
     (tmp / "rng").mkdir(exist_ok=True)
-    torch.save(_rng_state(), tmp / "rng" / f"rank_{rank}.pt")
+    _save_rng_state(tmp / "rng" / f"rank_{rank}.safetensors")
     if world > 1:
         dist.barrier()
     if rank == 0:
@@ -124,9 +133,9 @@ def load_checkpoint(
     dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     trainer = json.loads((ckpt_dir / "trainer.json").read_text())
-    rng = ckpt_dir / "rng" / f"rank_{rank}.pt"
+    rng = ckpt_dir / "rng" / f"rank_{rank}.safetensors"
     if rng.exists() and trainer.get("world_size") is not None:
-        _set_rng_state(torch.load(rng, weights_only=False))
+        _load_rng_state(rng)
     return trainer
 
 

@@ -35,13 +35,16 @@ from eyas.draft.ttt import Batch
 # collate
 
 
+LOSS_TOKENS = ("assistant", "all")  # train.loss_tokens
+
+
 def collate(items: list[dict[str, Any]], max_len: int, loss_tokens: str = "assistant") -> Batch:
     """Right-pad samples (truncated to max_len) into a Batch; aux flattened to [B, T, n*H].
 
     loss_tokens "assistant" keeps each sample's loss mask; "all" trains on every real token
     (prompts too: their labels are still the target's own distributions)."""
-    if loss_tokens not in ("assistant", "all"):
-        raise ValueError(f"train.loss_tokens must be 'assistant' or 'all', got {loss_tokens!r}")
+    if loss_tokens not in LOSS_TOKENS:
+        raise ValueError(f"train.loss_tokens must be one of {LOSS_TOKENS}, got {loss_tokens!r}")
     assert items
     lens = [min(int(it["input_ids"].shape[0]), max_len) for it in items]
     B, T = len(items), max(lens)

@@ -23,7 +23,8 @@ from eyas.config import TrainConfig
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.train import parallel as P
 from eyas.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from eyas.train.metrics import MetricsLogger, summarize
+from eyas.train.data import LOSS_TOKENS
+from eyas.train.metrics import MetricsLogger, format_line, summarize
 
 
 class WarmupCosine:
@@ -62,8 +63,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("token_budget and max_len must be >= 8")
     if not 0 < cfg.position_decay <= 1:
         raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
-    if cfg.loss_tokens not in ("assistant", "all"):
-        raise ValueError(f"unknown train.loss_tokens {cfg.loss_tokens!r}: assistant | all")
+    if cfg.loss_tokens not in LOSS_TOKENS:
+        raise ValueError(f"unknown train.loss_tokens {cfg.loss_tokens!r}: {' | '.join(LOSS_TOKENS)}")
     if cfg.source not in ("offline", "online", "streaming"):
         raise ValueError(f"unknown train.source {cfg.source!r}: offline | online | streaming")
 
@@ -218,7 +219,7 @@ def _train_with(cfg, d, run_dir, precision, ckpt, target_dir, tcfg, src, data) -
         tokens_run += rec["tokens"]
         logger.log(rec, echo=bar is None)
         if bar is not None:
-            bar.write(_line(rec))
+            bar.write(format_line(rec))
         last_rec, win = rec, _Window(K, d.device)
 
     def save(step: int, evaluate: bool) -> None:
@@ -288,12 +289,6 @@ def _all_have(flag: bool, d: P.Dist) -> bool:
     if d.world > 1:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MIN)
     return bool(t.item())
-
-
-def _line(rec: dict[str, Any]) -> str:
-    acc = " ".join(f"{a:.2f}" for a in rec["acc"])
-    return (f"step {rec['step']:>6} loss {rec['loss']:.4f} acc [{acc}] est_al {rec['est_al']:.3f} lr {rec['lr']:.2e} "
-            f"gnorm {rec['grad_norm']:.3f} {rec['tokens_per_s']:.0f} tok/s")
 
 
 class _Window:

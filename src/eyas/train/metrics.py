@@ -87,13 +87,15 @@ class MetricsLogger:
                         self.tb.add_scalar(f"train/{k}/{i}", x, step)
             self.tb.flush()
         if echo:
-            acc = " ".join(f"{a:.2f}" for a in rec.get("acc", []))
-            print(
-                f"step {rec['step']:>6} loss {rec['loss']:.4f} acc [{acc}] est_al {rec.get('est_al', 0):.3f} "
-                f"lr {rec.get('lr', 0):.2e} gnorm {rec.get('grad_norm', 0):.3f} {rec.get('tokens_per_s', 0):.0f} tok/s",
-                flush=True,
-            )
+            print(format_line(rec), flush=True)
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def format_line(rec: dict[str, Any]) -> str:
+    """One log record as the console line (`eyas train` echo and progress bar)."""
+    acc = " ".join(f"{a:.2f}" for a in rec.get("acc", []))
+    return (f"step {rec['step']:>6} loss {rec['loss']:.4f} acc [{acc}] est_al {rec.get('est_al', 0):.3f} "
+            f"lr {rec.get('lr', 0):.2e} gnorm {rec.get('grad_norm', 0):.3f} {rec.get('tokens_per_s', 0):.0f} tok/s")
