@@ -183,7 +183,7 @@ def test_train_checkpoint_and_load_draft_state(tiny_data, tmp_path):
 
 
 def test_export_reads_the_checkpoint(tiny_data, tmp_path):
-    export = pytest.importorskip("eyas.export")
+    from eyas import export
     from eyas.train import train
 
     run = tmp_path / "run"
