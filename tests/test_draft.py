@@ -255,6 +255,13 @@ def test_loss_labels_follow_vllm_shift():
     late.forward = lambda input_ids, aux, rm: oracle.forward(torch.cat([input_ids[:, :1], input_ids[:, :-1]], 1), aux, rm)
     _, st2 = ttt_loss(late, Batch(ids, mask, torch.zeros(B, T, 3 * H), last), head, K, 0.8)
     assert st2["correct"].sum() < 0.2 * st2["rows"].sum()
+    # unscored micro-batches: same loss and CE counts, no accuracy counts
+    loss3, st3 = ttt_loss(oracle, Batch(ids, mask, torch.zeros(B, T, 3 * H), last), head, K, 0.8, score=False)
+    assert torch.equal(loss3, loss) and st["scored"].tolist() == st["rows"].tolist()
+    for k in ("loss_sum", "rows", "ent_sum"):
+        assert torch.equal(st3[k], st[k]), k
+    for k in ("scored", "correct", "cond_den", "cond_num", "in_vocab"):
+        assert not st3[k].any(), k
 
 
 def test_loss_decreases_on_a_fixed_batch():

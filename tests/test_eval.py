@@ -4,7 +4,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from eyas.evaluate import counters_from_prometheus, format_table, load_prompts, summarize

@@ -182,6 +182,18 @@ def test_train_checkpoint_and_load_draft_state(tiny_data, tmp_path):
         train(_cfg(tiny_data, run, max_steps=6))
 
 
+def test_accuracy_sampled_every_nth_micro_batch(tiny_data, tmp_path):
+    """score_every skips the target's full-vocab top-1 on most micro-batches; every log window still
+    scores its first one, and the CE counts cover every row."""
+    from eyas.train import train
+
+    every = train(_cfg(tiny_data, tmp_path / "a", max_steps=4, log_every=2))["last"]
+    sampled = train(_cfg(tiny_data, tmp_path / "b", max_steps=4, log_every=2, score_every=100))["last"]
+    assert sampled["loss"] == pytest.approx(every["loss"]) and sampled["ce"] == pytest.approx(every["ce"])
+    assert sampled["loss_tokens"] == every["loss_tokens"]
+    assert all(v > 0 for v in sampled["in_vocab"]) and len(sampled["acc"]) == len(every["acc"])
+
+
 def test_export_reads_the_checkpoint(tiny_data, tmp_path):
     from eyas import export
     from eyas.train import train

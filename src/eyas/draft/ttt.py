@@ -83,6 +83,8 @@ class TargetHead:
         self.weight_d = self.weight[self.draft_ids]  # [Vd, H]
         self.t2d = torch.zeros(lm_head.shape[0], dtype=torch.bool, device=lm_head.device)
         self.t2d[self.draft_ids] = True
+        if logit_scale <= 0:
+            raise ValueError(f"target logit_scale must be > 0, got {logit_scale}")
         self.softcap, self.scale = softcap, logit_scale
         self.chunk_rows = chunk_rows or max(1, (1 << 25) // lm_head.shape[0])
 
@@ -97,14 +99,18 @@ class TargetHead:
         return logits
 
     @torch.no_grad()
-    def labels(self, last: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def labels(self, last: torch.Tensor, top1: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """last [R, H] (final normed target states) -> (q [R, Vd] fp32 probs over the draft vocab,
-        top [R] int64 target ids of the target's full-vocab argmax)."""
+        top [R] int64 target ids of the target's full-vocab argmax, or None without `top1`: the
+        full-vocab product is most of this call's cost)."""
         x = last.to(self.weight.dtype)
         q = torch.softmax(self._post(x @ self.weight_d.T), dim=-1)
+        if not top1:
+            return q, None
         top = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-        for s in range(0, x.shape[0], self.chunk_rows):  # [chunk, V] at a time
-            top[s : s + self.chunk_rows] = self._post(x[s : s + self.chunk_rows] @ self.weight.T).argmax(-1)
+        # [chunk, V] at a time, argmax of the raw logits (scale > 0 and softcap keep the order)
+        for s in range(0, x.shape[0], self.chunk_rows):
+            top[s : s + self.chunk_rows] = (x[s : s + self.chunk_rows] @ self.weight.T).argmax(-1)
         return q, top
 
 
@@ -189,7 +195,7 @@ class Batch:
                      num_tokens=self.num_tokens)
 
 
-STAT_KEYS = ("loss_sum", "rows", "correct", "cond_den", "cond_num", "in_vocab", "ent_sum")
+STAT_KEYS = ("loss_sum", "rows", "scored", "correct", "cond_den", "cond_num", "in_vocab", "ent_sum")
 
 
 def step_masks(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
@@ -198,15 +204,16 @@ def step_masks(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
 
 
 def ttt_loss(
-    model: Eagle3Draft, batch: Batch, head: TargetHead, steps: int, decay: float
+    model: Eagle3Draft, batch: Batch, head: TargetHead, steps: int, decay: float, score: bool = True
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Σ_i decay^i · mean soft-CE of step i, and raw counts per step (float64 [steps] each):
-    loss_sum, rows, correct (draft top-1 == target top-1), cond_den/cond_num (same, among rows
-    whose steps 0..i-1 were all right), in_vocab (target top-1 inside the draft vocab), ent_sum
-    (entropy of the soft labels: the floor of loss_sum; loss_sum - ent_sum is the KL)."""
+    loss_sum, rows, ent_sum (entropy of the soft labels: the floor of loss_sum; loss_sum - ent_sum
+    is the KL) and, when `score` (the target's full-vocab top-1 is computed), scored (= rows),
+    correct (draft top-1 == target top-1), cond_den/cond_num (same, among rows whose steps
+    0..i-1 were all right), in_vocab (target top-1 inside the draft vocab); zeros otherwise."""
     masks = step_masks(batch.loss_mask, steps)
     tmask = shift_left(batch.loss_mask, 1, False)  # target position j is needed when x_{j+1} is a loss token
-    q, top = head.labels(batch.last[tmask])  # [R, Vd], [R]
+    q, top = head.labels(batch.last[tmask], top1=score)  # [R, Vd], [R] or None
     ent = -(q * torch.log(q.clamp_min(1e-30))).sum(-1)  # [R]
     rowmap = torch.full(tmask.shape, -1, dtype=torch.int64, device=tmask.device)
     rowmap[tmask] = torch.arange(q.shape[0], device=tmask.device)
@@ -222,16 +229,19 @@ def ttt_loss(
         n = ce.numel()
         total = total + (decay**i) * ce.sum() / max(n, 1)
         with torch.no_grad():
+            stats["loss_sum"][i] = ce.detach().sum()
+            stats["rows"][i] = n
+            stats["ent_sum"][i] = ent[r].sum()
+            if top is None:
+                continue
             guess = model.draft_to_target(lg.argmax(-1))
             ok = guess == top[r]
             okm = torch.zeros_like(m)
             okm[m] = ok
-            stats["loss_sum"][i] = ce.detach().sum()
-            stats["rows"][i] = n
+            stats["scored"][i] = n
             stats["correct"][i] = ok.sum()
             stats["cond_den"][i] = (m & chain).sum()
             stats["cond_num"][i] = (m & chain & okm).sum()
             stats["in_vocab"][i] = head.t2d[top[r]].sum()
-            stats["ent_sum"][i] = ent[r].sum()
             chain = chain & m & okm
     return total, stats

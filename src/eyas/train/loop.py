@@ -211,6 +211,7 @@ def _train_with(cfg, d, run_dir, precision, ckpt, target_dir, tcfg, src, data) -
     last_ckpt, done, saved = ckpt, start, start
     t_run = time.perf_counter()
     tokens_run = 0
+    micro_seen = 0  # micro-batches this run: every score_every-th is scored, and each log window's first
     lr = sched(start)
 
     def log(step: int) -> None:
@@ -247,7 +248,9 @@ def _train_with(cfg, d, run_dir, precision, ckpt, target_dir, tcfg, src, data) -
             batch = collate(items, cfg.max_len, cfg.loss_tokens).to(d.device)
             win.data_s += time.perf_counter() - td
             model.set_requires_gradient_sync(a == len(mbs) - 1)
-            loss, stats = ttt_loss(model, batch, head, K, cfg.position_decay)
+            score = win.micro == 0 or micro_seen % max(1, cfg.score_every) == 0
+            micro_seen += 1
+            loss, stats = ttt_loss(model, batch, head, K, cfg.position_decay, score=score)
             (loss / cfg.grad_accum).backward()
             win.add(loss.detach(), stats, batch.num_tokens)
         gnorm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)

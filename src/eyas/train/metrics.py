@@ -1,7 +1,8 @@
 """Training metrics: raw counts summed over micro-batches and ranks, divided once.
 
 Per TTT position i: ce_i (soft cross-entropy), kl_i (ce_i minus the labels' entropy: what
-training can still remove), acc_i = correct_i / rows_i (draft top-1 == target top-1),
+training can still remove), acc_i = correct_i / scored_i (draft top-1 == target top-1, over
+the micro-batches whose target top-1 was computed: every `train.score_every`-th one),
 cond_acc_i = cond_num_i / cond_den_i (the same among rows whose positions 0..i-1 were all
 right), est_al = 1 + Σ_k Π_{j<=k} acc_j (the estimate the trainer reports and passes to
 serve-eval), est_al_chain = 1 + Σ_k Π_{j<=k} cond_acc_j (the fraction of chains accepted
@@ -35,7 +36,7 @@ def est_al(acc: list[float]) -> float:
 
 def summarize(stats: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Raw per-position counts -> rates (lists over TTT positions) and AL estimates."""
-    acc = _div(stats["correct"], stats["rows"])
+    acc = _div(stats["correct"], stats["scored"])
     cond = _div(stats["cond_num"], stats["cond_den"])
     return {
         "acc": acc,
@@ -44,7 +45,7 @@ def summarize(stats: dict[str, torch.Tensor]) -> dict[str, Any]:
         "est_al_chain": est_al(cond),
         "ce": _div(stats["loss_sum"], stats["rows"]),
         "kl": _div(stats["loss_sum"] - stats["ent_sum"], stats["rows"]),
-        "in_vocab": _div(stats["in_vocab"], stats["rows"]),
+        "in_vocab": _div(stats["in_vocab"], stats["scored"]),
         "loss_tokens": int(stats["rows"][0].item()),
     }
 
