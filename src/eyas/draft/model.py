@@ -180,12 +180,15 @@ class Rope(nn.Module):
         cfg = LlamaConfig(**draft_config_dict(spec))
         self.inner = LlamaRotaryEmbedding(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x [B, heads, T, D], positions [B, T] -> rotated x."""
-        cos, sin = self.inner(x, positions)  # [B, T, D]
+    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """positions [B, T], each x [B, heads, T, D] -> the rotated xs (cos/sin computed once)."""
+        cos, sin = self.inner(xs[0], positions)  # [B, T, D]
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        x1, x2 = x.chunk(2, dim=-1)
-        return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+        out = []
+        for x in xs:
+            x1, x2 = x.chunk(2, dim=-1)
+            out.append(x * cos + torch.cat((-x2, x1), dim=-1) * sin)
+        return tuple(out)
 
 
 class SelfAttention(nn.Module):
@@ -299,7 +302,8 @@ class Eagle3Draft(nn.Module):
         q = lyr.self_attn.q_proj(x).view(B, T, s.num_heads, s.head_dim).transpose(1, 2)
         k = lyr.self_attn.k_proj(x).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
         v = lyr.self_attn.v_proj(x).view(B, T, s.num_kv_heads, s.head_dim).transpose(1, 2)
-        return self.rope(q, positions), self.rope(k, positions), v, residual
+        q, k = self.rope(positions, q, k)
+        return q, k, v, residual
 
     def after_attention(self, attn: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """attn [B, nh, T, D] (softmax(qk)v), residual [B, T, H] -> pre-norm output [B, T, H]."""

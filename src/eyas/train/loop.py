@@ -340,24 +340,23 @@ class _Window:
 def _serve_eval(run_dir: Path, ckpt: Path, step: int, cfg: TrainConfig, est_al: float, d: P.Dist,
                 logger: MetricsLogger) -> None:
     """Rank 0 runs `eyas.serve_eval.on_checkpoint` (if that module exists); the others wait."""
-    err = None
-    if d.is_main:
+
+    def run() -> None:
         try:
             se = importlib.import_module("eyas.serve_eval")
         except ModuleNotFoundError as e:
             if e.name != "eyas.serve_eval":
                 raise
             _log("eyas.serve_eval is not available; skipping the vLLM acceptance check")
-        else:
-            try:
-                rec = se.on_checkpoint(run_dir, ckpt, step, cfg, est_al)
-                if rec:
-                    _log(f"serve-eval step {step}: {json.dumps(rec)[:400]}")
-                    al = rec.get("acceptance_length")
-                    if isinstance(al, (int, float)) and logger.tb is not None:
-                        logger.tb.add_scalar("serve/acceptance_length", al, step)
-            except Exception as e:  # keep every rank's view consistent: all raise below
-                err = f"serve-eval of {ckpt} failed: {type(e).__name__}: {e}"
-    err = P.broadcast_object(err, d)
-    if err:
-        raise RuntimeError(err)
+            return
+        rec = se.on_checkpoint(run_dir, ckpt, step, cfg, est_al)
+        if rec:
+            _log(f"serve-eval step {step}: {json.dumps(rec)[:400]}")
+            al = rec.get("acceptance_length")
+            if isinstance(al, (int, float)) and logger.tb is not None:
+                logger.tb.add_scalar("serve/acceptance_length", al, step)
+
+    try:
+        on_main(run, d)
+    except Exception as e:  # every rank raises (on_main), with the checkpoint named
+        raise RuntimeError(f"serve-eval of {ckpt} failed: {type(e).__name__}: {e}") from e
