@@ -116,7 +116,7 @@ class TrainConfig:
     fc_norm: bool = False
     freeze_embed: bool = True
     loss_tokens: str = "assistant"  # assistant | all (prompt tokens too, against the target's distributions)
-    score_every: int = 1  # accuracy metrics on every Nth micro-batch (the target's full-vocab top-1 is ~20% of a CPU step)
+    score_every: int = 1  # accuracy metrics on every Nth micro-batch (the target's full-vocab top-1: about 1/4 of a CPU step here)
     layer_ids: list[int] = field(default_factory=list)  # online source: empty = (2, L//2, L-3); offline: the features'
     lr_decay_steps: int = 0  # cosine horizon (0 = max_steps); fix it to stop early and resume on the same schedule
     threads: int = 0  # torch intra-op threads per rank (0 = torch's default; 1 is fastest on a busy small CPU)

@@ -28,7 +28,6 @@ def decoder_layers(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     return decoder, layers
 
 
-
 def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     """Indices grouped by ascending length so that longest x count <= batch_tokens (a longer one alone)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
@@ -51,6 +50,7 @@ def pad_batch(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torc
         ids[b, : x.shape[0]] = x
         attn[b, : x.shape[0]] = 1
     return ids, attn
+
 
 class HFExtractor(Extractor):
     backend = "hf"
