@@ -50,33 +50,59 @@ def test_tiny_targets(tiny_llama, tiny_moe):
         assert len(out.hidden_states) == m.config.num_hidden_layers + 1
 
 
+# Prompts whose greedy answers win every step by a clear margin, so the check tests eyas's
+# conversion and vLLM's template, not which side of a near-tie one CPU's bf16 kernels land on.
+# HF float32, smallest top-1/top-2 log-prob gap over the reply up to the answer word:
+# 1.50 nats (France, "The capital of France is Paris."), 1.84 nats (Japan, with a system turn).
+# The bare "What is the capital of France?" opens on a 0.10-nat tie ("The" vs "L") that an
+# Intel AMX machine's vLLM bf16 resolves to "L'Étoile, ...".
+CHATS = [
+    ([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}], "paris"),
+    ([{"role": "system", "content": "You are a helpful assistant."},
+      {"role": "user", "content": "What is the capital of Japan? Answer in one word."}], "tokyo"),
+]
 VLLM_CHAT = r'''
 import json, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
+    chats = json.loads(sys.argv[2])
     llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True)
-    outs = llm.chat(
-        [[{"role": "user", "content": "What is the capital of France?"}],
-         [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Name a primary color."}]],
-        SamplingParams(temperature=0.0, max_tokens=24),
-    )
-    print("RESULT " + json.dumps([o.outputs[0].text for o in outs]))
+    outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2))
+    gaps = [[(lp[t].decoded_token, sorted((x.logprob for x in lp.values()), reverse=True)) for t, lp in
+             zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
+    print("RESULT " + json.dumps({"texts": [o.outputs[0].text for o in outs],
+                                  "prompt_ids": [list(o.prompt_token_ids) for o in outs],
+                                  "gaps": [[(t, v[0] - v[1]) for t, v in g] for g in gaps]}))
 '''
 
 
-@pytest.mark.slow
-def test_vllm_serves_embedded_target_through_chat_template(embedded_target, tmp_path):
-    """`eyas models path` gives a dir vLLM (CPU) loads and answers sensibly through the chat template."""
+def vllm_chat(target, tmp_path) -> dict:
     import os
     import subprocess
     import sys
 
+    from eyas.host import vllm_env
+
     script = tmp_path / "chat.py"
     script.write_text(VLLM_CHAT)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
-    proc = subprocess.run([sys.executable, str(script), str(embedded_target)], capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run([sys.executable, str(script), str(target), json.dumps([c for c, _ in CHATS])],
+                          capture_output=True, text=True, env=vllm_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}),
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1]
-    answers = json.loads(line[len("RESULT "):])
-    assert "paris" in answers[0].lower()
-    assert any(c in answers[1].lower() for c in ("red", "blue", "yellow", "green"))
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.slow
+def test_vllm_serves_embedded_target_through_chat_template(embedded_target, tmp_path):
+    """`eyas models path` gives a dir vLLM (CPU) loads, renders through the target's own chat
+    template (token for token what `apply_chat_template` gives), and answers sensibly."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(embedded_target)
+    got = vllm_chat(embedded_target, tmp_path)
+    for (conv, answer), ids, text, gaps in zip(CHATS, got["prompt_ids"], got["texts"], got["gaps"]):
+        assert ids == tok.apply_chat_template(conv, add_generation_prompt=True, tokenize=True, return_dict=False)
+        upto = next((i for i, (t, _) in enumerate(gaps) if answer in t.lower()), len(gaps))
+        margins = [f"{t!r} {g:.2f}" for t, g in gaps[:upto + 1]]
+        assert answer in text.lower(), f"{text!r}; vLLM top-1/top-2 gaps (nats): {margins}"

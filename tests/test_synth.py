@@ -16,6 +16,7 @@ import pytest
 
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
 from eyas.config import Recipe, SynthConfig
+from eyas.host import vllm_env
 from eyas.manifest import read_manifest
 from eyas.synth import OUT_FILE, cli, plan_points, scan_jsonl, synthesize
 from eyas.synth import engines as E
@@ -290,8 +291,9 @@ def direct(slow_inputs, embedded_target):
     (d / "direct.py").write_text(DIRECT)
     (d / "args.json").write_text(json.dumps({"model": str(embedded_target), "max_tokens": MAX_TOKENS, "rows": ROWS,
                                               "render": RENDER, "custom_template": custom}))
+    # same engine, dtype (bf16) and thread layout as eyas's own engines: greedy texts are compared exactly
     subprocess.run([sys.executable, str(d / "direct.py"), str(d / "args.json"), str(d / "direct.json")], check=True,
-                   timeout=600, stdout=subprocess.DEVNULL)
+                   timeout=600, stdout=subprocess.DEVNULL, env=vllm_env())
     return json.loads((d / "direct.json").read_text())
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.chat import validate_messages
+from eyas.host import machine
 
 
 def load_prompts(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]]:
@@ -177,6 +178,7 @@ def measure_acceptance(
     return {
         "target": str(target),
         "draft": draft,
+        "machine": machine(),
         "k": kk,
         "n_prompts": len(prompts),
         "skipped_too_long": skipped,

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import eyas
+from eyas.host import machine
 
 MANIFEST = "manifest.json"
 
@@ -55,6 +56,7 @@ def write_manifest(directory: str | os.PathLike, stage: str, config: Any = None,
         "git_commit": _git_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
+        "machine": machine(),  # CPU model and numeric ISA flags: figures from two machines are never compared blind
         "config": config,
         **fields,
     }

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import Recipe, to_dict
+from eyas.host import machine
 from eyas.manifest import write_manifest
 
 
@@ -67,6 +68,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
             serve_target, quark_target = Path(q["emulated"]), Path(q["out"])
         report["target"] = str(target)
         report["served_target"] = str(serve_target)
+        report["machine"] = machine()
 
     with _stage(timings, "data"):
         from eyas.data import build_mix

@@ -3,13 +3,14 @@
     python -m eyas.vllm_runner SPEC.json RESULT.json
 
 SPEC: {"target", "draft" (null: plain decoding), "k", "max_tokens", "temperature",
-"max_model_len", "kv_cache_gib", "enforce_eager", "seed",
+"max_model_len", "kv_cache_gib", "enforce_eager", "seed", "dtype", "return_token_ids",
 "batches": [{"name", "conversations": [[{"role", "content"}, ...], ...]}]}.
 Each batch runs as one `LLM.chat` call (greedy when temperature is 0) in the same engine;
 the spec-decode counters are read before and after it and the difference is the batch's.
 RESULT: {"load_seconds", "batches": [{"name", "n", "seconds", "prompt_tokens",
 "generated_tokens", "counters": {num_drafts, num_draft_tokens, num_accepted_tokens,
-accepted_per_pos}, "texts"}], ...}. `run(spec)` does the spawning from any process.
+accepted_per_pos}, "texts" (+ "prompt_token_ids", "token_ids" with return_token_ids)}], ...}.
+`run(spec)` does the spawning from any process.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def _engine(spec: dict[str, Any]):
         seed=int(spec.get("seed", 0)),
         enforce_eager=bool(spec.get("enforce_eager", True)),
         max_num_seqs=int(spec.get("max_num_seqs", 64)),
+        dtype=spec.get("dtype", "auto"),
     )
     if spec.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])
@@ -111,6 +113,9 @@ def main(spec_path: str, result_path: str) -> None:
                 "texts": [o.outputs[0].text for o in outs] if spec.get("return_texts", True) else [],
             }
         )
+        if spec.get("return_token_ids"):
+            result["batches"][-1].update(prompt_token_ids=[list(o.prompt_token_ids) for o in outs],
+                                         token_ids=[list(o.outputs[0].token_ids) for o in outs])
     tmp = Path(result_path).with_suffix(".tmp")
     tmp.write_text(json.dumps(result))
     os.replace(tmp, result_path)
@@ -126,17 +131,20 @@ def root_causes(log_text: str, n: int = 8) -> str:
     return "\n".join(seen[-n:]) or "(none found)"
 
 
-def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike | None = None) -> dict[str, Any]:
+def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike | None = None,
+        env: dict[str, str] | None = None) -> dict[str, Any]:
     """Run `spec` in a fresh `python -m eyas.vllm_runner` process; returns its result dict.
 
     The engine's log goes to `log_path` (a temp file when None); a failure raises
-    RuntimeError carrying the log's tail.
+    RuntimeError carrying the log's tail. `env` entries override eyas's engine environment.
     """
+    from eyas.host import vllm_env
+
     # a caller under torchrun (serve-eval from the trainer) must not hand its process-group env to vLLM
-    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}
+    env = {**vllm_env({k: v for k, v in os.environ.items()
+                       if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}), **(env or {})}
     if spec.get("kv_cache_gib"):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(float(spec["kv_cache_gib"]))))  # whole GiB
-    env.setdefault("TOKENIZERS_PARALLELISM", "false")
     with tempfile.TemporaryDirectory(prefix="eyas-vllm-") as tmp:
         sp, rp = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         sp.write_text(json.dumps(spec))

@@ -5,6 +5,11 @@
     extract     extraction tokens/s per backend vs a plain prefill; bytes per token per dtype
     train       training tokens/s and where the time goes
     quant       MXFP4 vs bf16 perplexity / next-token agreement; quantizer speed
+    drift       vLLM bf16 greedy text against an HF float32 forward (how on-policy synthesis is)
+    threads     vLLM CPU thread layouts: synthesis and serving tokens/s side by side
+
+Every result names the machine it ran on (`eyas.host.machine()`), printed first and
+stored under "machine" in `bench_<what>.json`.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-WHATS = ("al", "throughput", "extract", "train", "quant")
+WHATS = ("al", "throughput", "extract", "train", "quant", "drift", "threads")
 
 
 def _write(out: str, name: str, result) -> None:
@@ -33,6 +38,7 @@ def _prompts(cfg) -> Path:
 
 
 def cli(cfg, actions: list[str]) -> int:
+    from eyas.host import machine, machine_line
     from eyas.models import resolve_target
 
     what = actions[0] if actions else cfg.bench.what
@@ -40,6 +46,7 @@ def cli(cfg, actions: list[str]) -> int:
         raise ValueError(f"unknown benchmark {what!r}; choose one of {', '.join(WHATS)}")
     b = cfg.bench
     target = resolve_target(b.target or cfg.run.target)
+    print(f"bench {what}: machine: {machine_line()}", flush=True)
     if what in ("al", "throughput") and not b.draft:
         raise ValueError(f"eyas bench {what} needs --draft DIR (an exported draft, e.g. RUNDIR/draft)")
     if what == "al":
@@ -62,9 +69,24 @@ def cli(cfg, actions: list[str]) -> int:
         from eyas.train.bench import run_bench
 
         res = run_bench(str(target))
+    elif what == "drift":
+        from eyas.bench.acceptance import domain_prompts
+        from eyas.bench.drift import bench_drift
+
+        res = bench_drift(target, [r["messages"] for r in domain_prompts(_prompts(cfg), b.limit)], b.max_tokens)
+    elif what == "threads":
+        from eyas.bench.acceptance import domain_prompts
+        from eyas.bench.threads import bench_threads
+
+        res = bench_threads(target, [r["messages"] for r in domain_prompts(_prompts(cfg), b.limit)],
+                            b.concurrency, b.max_tokens)
     else:
         from eyas.quant.bench import run_bench
 
         res = run_bench(target)
+    if isinstance(res, dict):
+        res = {"machine": machine(), **res}
+    else:
+        res = {"machine": machine(), "rows": res}
     _write(b.out, what, res)
     return 0

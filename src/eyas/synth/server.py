@@ -42,7 +42,9 @@ class VllmServer:
             *([] if log_stats else ["--disable-log-stats"]), "--disable-uvicorn-access-log",
             *(["--enforce-eager"] if enforce_eager else []), *extra_args,
         ]
-        self.env = {**os.environ, **(env or {})}
+        from eyas.host import vllm_env
+
+        self.env = {**vllm_env(), **(env or {})}
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None

@@ -1,0 +1,84 @@
+"""The machine beside every figure, the engine thread layout, and the drift / threads benches' arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+
+def test_machine_names_cpu_and_numeric_flags():
+    from eyas.host import NUMERIC_FLAGS, machine, machine_line
+
+    m = machine()
+    assert m["cpu"] and m["cores"] >= 1 and set(m["isa"]) <= set(NUMERIC_FLAGS)
+    flags = open("/proc/cpuinfo").read()
+    assert ("amx_bf16" in m["isa"]) == (" amx_bf16" in flags)
+    assert m["cpu"] in machine_line()
+
+
+def test_every_manifest_records_the_machine(tmp_path):
+    from eyas.host import machine
+    from eyas.manifest import read_manifest, write_manifest
+
+    write_manifest(tmp_path, "test", {"a": 1}, complete=True)
+    assert read_manifest(tmp_path)["machine"] == json.loads(json.dumps(machine()))
+
+
+def test_thread_layouts_and_engine_env(monkeypatch):
+    from eyas import host
+
+    assert host.thread_layout("bind-all", cores=4) == {"VLLM_CPU_OMP_THREADS_BIND": "0-3",
+                                                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert host.thread_layout("omp-all", cores=2) == {"OMP_NUM_THREADS": "2"}
+    with pytest.raises(ValueError, match="unknown thread layout 'x'; choose one of default"):
+        host.thread_layout("x")
+    monkeypatch.setattr(host, "ENGINE_LAYOUT", "omp-all")
+    assert host.vllm_env({})["OMP_NUM_THREADS"] == str(host.machine()["cores"])
+    # a user's own thread settings win, whole: nothing of the layout is mixed in
+    assert host.vllm_env({"OMP_NUM_THREADS": "1"})["OMP_NUM_THREADS"] == "1"
+    assert "OMP_NUM_THREADS" not in host.vllm_env({"VLLM_CPU_OMP_THREADS_BIND": "0"})
+    assert host.vllm_env({})["TOKENIZERS_PARALLELISM"] == "false"
+
+
+def test_drift_agreement_counts_first_divergence_and_near_ties(tiny_llama):
+    """Replies written by the model's own greedy decoding agree everywhere; one changed token is one
+    disagreement, a diverged reply at that index, with the model's top-1/top-2 gap."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.bench.drift import agreement
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    replies = []
+    for seed in range(3):
+        prompt = torch.randint(0, 500, (7,), generator=torch.Generator().manual_seed(seed)).tolist()
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, min_new_tokens=12)
+        replies.append((prompt, out[0, len(prompt):].tolist()))
+    r = agreement(model, replies)
+    assert (r["positions"], r["agree"], r["diverged"], r["disagreements"]) == (36, 36, 0, 0)
+    prompt, gen = replies[1]
+    bad = gen[:5] + [(gen[5] + 1) % 500] + gen[6:]
+    r = agreement(model, [replies[0], (prompt, bad), replies[2]])
+    assert r["agree"] < 36 and r["diverged"] == 1 and r["first_divergence_median"] == 5
+    assert r["disagreements"] == 36 - r["agree"] and r["gap_max"] > 0 and r["top1_agreement"] == r["agree"] / 36
+
+
+def test_threads_bench_rotates_layouts_and_divides_by_default(monkeypatch):
+    from eyas.bench import threads
+    from eyas.host import machine
+
+    n, seen = machine()["cores"], []
+    omp, bind = str(n), f"0-{n - 1}"
+
+    def synth(target, prompts, max_tokens, env):
+        seen.append(env.get("OMP_NUM_THREADS") or env.get("VLLM_CPU_OMP_THREADS_BIND") or "default")
+        return {"default": 100.0, omp: 150.0}.get(seen[-1], 50.0)
+
+    monkeypatch.setattr(threads, "_synthesis", synth)
+    monkeypatch.setattr(threads, "_serving", lambda t, p, m, conc, env: {c: 10.0 * c for c in conc})
+    res = threads.bench_threads("t", [[]], [1, 4], repeats=3)
+    assert seen[:3] == ["default", omp, bind] and seen[3:6] == [omp, bind, "default"]  # order rotates
+    s = res["summary"]
+    assert s["omp-all"]["synthesis_ratio"] == pytest.approx(1.5) and s["bind-all"]["synthesis_ratio"] == 0.5
+    assert s["default"]["serving_ratio"] == {1: 1.0, 4: 1.0} and len(s["default"]["synthesis_all"]) == 3
