@@ -208,7 +208,7 @@ def test_vllm_tiny_fixtures_unsupported(request, fixture):
 def test_vllm_parity_embedded(embedded_target):
     from eyas.extract import make_extractor
 
-    with make_extractor(embedded_target, "vllm", max_len=512) as ex:
+    with make_extractor(embedded_target, "vllm", max_len=512, compute_dtype="bf16") as ex:
         out = ex.extract(CONVS)
         assert ex.vllm_ids == [2, 15, 27, 30]  # the final (pre-norm) state is requested as id L
         t0 = time.time()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -29,9 +30,9 @@ def test_every_manifest_records_the_machine(tmp_path):
 def test_thread_layouts_and_engine_env(monkeypatch):
     from eyas import host
 
-    assert host.thread_layout("bind-all", cores=4) == {"VLLM_CPU_OMP_THREADS_BIND": "0-3",
-                                                        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    assert host.thread_layout("omp-all", cores=2) == {"OMP_NUM_THREADS": "2"}
+    assert host.thread_layout("bind-all", cpus=[5, 4, 6]) == {"VLLM_CPU_OMP_THREADS_BIND": "4,5,6",
+                                                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+    assert host.thread_layout("omp-all", cpus=[0, 1]) == {"OMP_NUM_THREADS": "2"}
     with pytest.raises(ValueError, match="unknown thread layout 'x'; choose one of default"):
         host.thread_layout("x")
     monkeypatch.setattr(host, "ENGINE_LAYOUT", "omp-all")
@@ -66,10 +67,8 @@ def test_drift_agreement_counts_first_divergence_and_near_ties(tiny_llama):
 
 def test_threads_bench_rotates_layouts_and_divides_by_default(monkeypatch):
     from eyas.bench import threads
-    from eyas.host import machine
-
-    n, seen = machine()["cores"], []
-    omp, bind = str(n), f"0-{n - 1}"
+    cpus, seen = sorted(os.sched_getaffinity(0)), []
+    omp, bind = str(len(cpus)), ",".join(map(str, cpus))
 
     def synth(target, prompts, max_tokens, env):
         seen.append(env.get("OMP_NUM_THREADS") or env.get("VLLM_CPU_OMP_THREADS_BIND") or "default")
@@ -82,3 +81,19 @@ def test_threads_bench_rotates_layouts_and_divides_by_default(monkeypatch):
     s = res["summary"]
     assert s["omp-all"]["synthesis_ratio"] == pytest.approx(1.5) and s["bind-all"]["synthesis_ratio"] == 0.5
     assert s["default"]["serving_ratio"] == {1: 1.0, 4: 1.0} and len(s["default"]["synthesis_all"]) == 3
+
+
+def test_engine_dtype_follows_native_bf16(monkeypatch):
+    from eyas import host
+
+    monkeypatch.delenv("EYAS_ENGINE_DTYPE", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for isa, want in ((["avx2"], "float32"), (["avx2", "avx512f", "avx512_bf16"], "bfloat16"),
+                      (["avx2", "amx_bf16", "amx_tile"], "bfloat16")):
+        monkeypatch.setattr(host, "machine", lambda isa=isa: {"cpu": "x", "cores": 2, "isa": isa, "system": "x"})
+        assert host.engine_dtype() == want, isa
+    monkeypatch.setenv("EYAS_ENGINE_DTYPE", "bfloat16")
+    assert host.engine_dtype() == "bfloat16"
+    monkeypatch.setenv("EYAS_ENGINE_DTYPE", "bf16")
+    with pytest.raises(ValueError, match="EYAS_ENGINE_DTYPE='bf16': use bfloat16, float32 or float16"):
+        host.engine_dtype()

@@ -66,7 +66,7 @@ import json, sys
 if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     chats = json.loads(sys.argv[2])
-    llm = LLM(model=sys.argv[1], dtype="bfloat16", max_model_len=1024, enforce_eager=True)
+    llm = LLM(model=sys.argv[1], dtype=sys.argv[3], max_model_len=1024, enforce_eager=True)
     outs = llm.chat(chats, SamplingParams(temperature=0.0, max_tokens=24, logprobs=2))
     gaps = [[(lp[t].decoded_token, sorted((x.logprob for x in lp.values()), reverse=True)) for t, lp in
              zip(o.outputs[0].token_ids, o.outputs[0].logprobs)] for o in outs]
@@ -81,11 +81,11 @@ def vllm_chat(target, tmp_path) -> dict:
     import subprocess
     import sys
 
-    from eyas.host import vllm_env
+    from eyas.host import engine_dtype, vllm_env
 
     script = tmp_path / "chat.py"
     script.write_text(VLLM_CHAT)
-    proc = subprocess.run([sys.executable, str(script), str(target), json.dumps([c for c, _ in CHATS])],
+    proc = subprocess.run([sys.executable, str(script), str(target), json.dumps([c for c, _ in CHATS]), engine_dtype()],
                           capture_output=True, text=True, env=vllm_env({**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}),
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -16,7 +16,7 @@ import pytest
 
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
 from eyas.config import Recipe, SynthConfig
-from eyas.host import vllm_env
+from eyas.host import engine_dtype, vllm_env
 from eyas.manifest import read_manifest
 from eyas.synth import OUT_FILE, cli, plan_points, scan_jsonl, synthesize
 from eyas.synth import engines as E
@@ -247,7 +247,7 @@ import json, sys
 def main():
     from vllm import LLM, SamplingParams
     a = json.load(open(sys.argv[1]))
-    llm = LLM(model=a["model"], max_model_len=2048, dtype="bfloat16", enforce_eager=True, seed=0,
+    llm = LLM(model=a["model"], max_model_len=2048, dtype=a["dtype"], enforce_eager=True, seed=0,
               kv_cache_memory_bytes=1 << 30, disable_log_stats=True)
     sp = SamplingParams(temperature=0.0, max_tokens=a["max_tokens"])
     replies = {}
@@ -290,8 +290,9 @@ def direct(slow_inputs, embedded_target):
     d, _, custom = slow_inputs
     (d / "direct.py").write_text(DIRECT)
     (d / "args.json").write_text(json.dumps({"model": str(embedded_target), "max_tokens": MAX_TOKENS, "rows": ROWS,
-                                              "render": RENDER, "custom_template": custom}))
-    # same engine, dtype (bf16) and thread layout as eyas's own engines: greedy texts are compared exactly
+                                              "render": RENDER, "custom_template": custom,
+                                              "dtype": engine_dtype()}))
+    # same engine, dtype and thread layout as eyas's own engines: greedy texts are compared exactly
     subprocess.run([sys.executable, str(d / "direct.py"), str(d / "args.json"), str(d / "direct.json")], check=True,
                    timeout=600, stdout=subprocess.DEVNULL, env=vllm_env())
     return json.loads((d / "direct.json").read_text())

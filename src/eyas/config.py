@@ -75,7 +75,7 @@ class ExtractConfig:
     samples_per_shard: int = 64
     limit: int = 0
     verify: str = ""  # a feature dir to verify instead of extracting
-    compute_dtype: str = "bf16"  # bf16 | fp32: the target's dtype in the hf backend (vllm: bf16)
+    compute_dtype: str = "auto"  # auto | bf16 | fp32: the target's dtype (auto: hf bf16, vllm eyas.host.engine_dtype)
     device: str = "cpu"  # hf backend: where the target runs (cpu, cuda:0, ...)
     batch_tokens: int = 8192  # hf backend: padded tokens per forward
     chat_template: str = ""  # a template file, as `vllm serve --chat-template` takes it

@@ -66,6 +66,8 @@ def diff_counters(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
 def _engine(spec: dict[str, Any]):
     from vllm import LLM
 
+    from eyas.host import engine_dtype
+
     kw: dict[str, Any] = dict(
         model=spec["target"],
         max_model_len=int(spec.get("max_model_len", 2048)),
@@ -73,7 +75,7 @@ def _engine(spec: dict[str, Any]):
         seed=int(spec.get("seed", 0)),
         enforce_eager=bool(spec.get("enforce_eager", True)),
         max_num_seqs=int(spec.get("max_num_seqs", 64)),
-        dtype=spec.get("dtype", "auto"),
+        dtype=spec.get("dtype") or engine_dtype(),
     )
     if spec.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])

@@ -28,7 +28,7 @@ from typing import Any
 
 BACKENDS = ("hf", "vllm")
 MODES = ("offline", "online", "streaming")
-COMPUTE_DTYPES = ("bf16", "fp32")
+COMPUTE_DTYPES = ("auto", "bf16", "fp32")
 
 
 # ---------------------------------------------------------------- target facts
@@ -201,17 +201,32 @@ class Extractor:
                 "num_target_layers": self.num_layers, "hidden_size": self.hidden_size}
 
 
+def resolve_compute_dtype(backend: str, compute_dtype: str) -> str:
+    """bf16 | fp32 for `backend`; auto is bf16 for hf and the engine dtype for vllm."""
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"unknown compute dtype {compute_dtype!r}: {' | '.join(COMPUTE_DTYPES)}")
+    if compute_dtype != "auto":
+        return compute_dtype
+    if backend == "vllm":
+        from eyas.host import engine_dtype
+
+        return {"bfloat16": "bf16", "float32": "fp32"}.get(engine_dtype(), "bf16")
+    return "bf16"
+
+
 def make_extractor(target: str | os.PathLike, backend: str = "hf", layer_ids: list[int] | None = None, *,
-                   compute_dtype: str = "bf16", device: str = "cpu", max_len: int = 2048,
+                   compute_dtype: str = "auto", device: str = "cpu", max_len: int = 2048,
                    batch_tokens: int = 8192, chat_template: str = "", kv_cache_gib: float = 1.0,
                    out_dtype: Any = None, out_device: str = "cpu") -> Extractor:
     """An extractor for `target` (a HF dir); cheap to call repeatedly once built.
 
-    hf: `compute_dtype` bf16|fp32 on `device` ("cpu", "cuda:0", ...), batches of at most
+    hf: `compute_dtype` bf16|fp32 (auto: bf16) on `device` ("cpu", "cuda:0", ...), batches of at most
     `batch_tokens` padded tokens; `out_device` = `device` keeps the states there (online
-    training on an accelerator: no host round trip). vllm: bf16, a vLLM engine (spawned processes; the caller
-    needs an `if __name__ == "__main__":` guard) with `kv_cache_gib` of KV cache on CPU.
+    training on an accelerator: no host round trip). vllm: a vLLM engine at `compute_dtype` (auto: the
+    engine dtype of `eyas.host.engine_dtype`; spawned processes, so the caller needs an
+    `if __name__ == "__main__":` guard) with `kv_cache_gib` of KV cache on CPU.
     """
+    compute_dtype = resolve_compute_dtype(backend, compute_dtype)
     if backend == "hf":
         from eyas.extract.hf import HFExtractor
 
@@ -221,10 +236,9 @@ def make_extractor(target: str | os.PathLike, backend: str = "hf", layer_ids: li
     if backend == "vllm":
         from eyas.extract.vllm_backend import VLLMExtractor
 
-        if compute_dtype != "bf16":
-            raise ValueError("the vllm backend runs the target in bf16; use --compute-dtype bf16 or --backend hf")
         return VLLMExtractor(target, layer_ids, max_len=max_len, chat_template=chat_template,
-                             kv_cache_gib=kv_cache_gib, out_dtype=out_dtype)
+                             kv_cache_gib=kv_cache_gib, out_dtype=out_dtype,
+                             dtype={"bf16": "bfloat16", "fp32": "float32"}[compute_dtype])
     raise ValueError(f"unknown extraction backend {backend!r}: {' | '.join(BACKENDS)}")
 
 
@@ -268,7 +282,7 @@ def extract(cfg) -> Path:
         "data": str(Path(cfg.data).resolve()),
         "data_sha256": sha256_file(cfg.data),
         "backend": cfg.backend,
-        "compute_dtype": cfg.compute_dtype,
+        "compute_dtype": resolve_compute_dtype(cfg.backend, cfg.compute_dtype),
         "layer_ids": layer_ids,
         "layer_id_convention": "k = residual stream after k decoder layers = HF hidden_states[k]",
         "last_hidden_states": "final normed state = HF hidden_states[L] = lm_head input",

@@ -105,7 +105,7 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
 
     The vllm backend spawns engine processes: call this under `if __name__ == "__main__":`.
     """
-    from eyas.extract import Renderer, make_extractor, read_conversations
+    from eyas.extract import Renderer, make_extractor, read_conversations, resolve_compute_dtype
     from eyas.models import resolve_target
 
     target = resolve_target(str(target))
@@ -119,9 +119,10 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
                  "vs_prefill": 1.0})
     extracted = None
     for backend in backends:
+        dtype = resolve_compute_dtype(backend, compute_dtype if backend == "hf" else "auto")
         try:
             t0 = time.perf_counter()
-            ex = make_extractor(target, backend, layer_ids, compute_dtype=compute_dtype if backend == "hf" else "bf16",
+            ex = make_extractor(target, backend, layer_ids, compute_dtype=dtype,
                                 max_len=max_len, batch_tokens=batch_tokens)
             init_s = time.perf_counter() - t0
         except ValueError as e:
@@ -134,7 +135,7 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
             dt = time.perf_counter() - t0
         finally:
             ex.close()
-        rows.append({"kind": "throughput", "backend": f"{backend} ({'bf16' if backend == 'vllm' else compute_dtype})",
+        rows.append({"kind": "throughput", "backend": f"{backend} ({dtype})",
                      "tokens": tokens, "tok_s": tokens / dt, "vs_prefill": tokens / dt / baseline,
                      "init_s": init_s})
         extracted = extracted or (out, ex.layer_ids, ex.hidden_size, ex.num_layers)

@@ -136,7 +136,8 @@ class VLLMExtractor(Extractor):
 
     def __init__(self, target: str | os.PathLike, layer_ids: list[int] | None = None, *, max_len: int = 2048,
                  chat_template: str = "", kv_cache_gib: float = 1.0, out_dtype: Any = None,
-                 enforce_eager: bool = True, read_timeout: float = 120.0, **llm_kwargs: Any):
+                 enforce_eager: bool = True, read_timeout: float = 120.0, dtype: str = "bfloat16",
+                 **llm_kwargs: Any):
         super().__init__(target, layer_ids, max_len=max_len, chat_template=chat_template, out_dtype=out_dtype)
         reason = vllm_cpu_unsupported_reason(self.target)
         if reason:
@@ -157,7 +158,7 @@ class VLLMExtractor(Extractor):
             os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, int(kv_cache_gib)))
         self.llm = LLM(
             model=str(self.target),
-            dtype="bfloat16",
+            dtype=dtype,
             max_model_len=max_len + 1,  # the prompt + the one sampled token
             enable_prefix_caching=False,  # every prompt token must run through the layers
             enforce_eager=enforce_eager,  # no torch.compile warmup (minutes on CPU)

@@ -52,12 +52,13 @@ class InProcessEngine:
     """`vllm.LLM` in this process; build it under `if __name__ == "__main__":` (spawned workers)."""
 
     def __init__(self, model: str, *, max_model_len: int = 2048, kv_cache_gib: float = 2.0, seed: int = 0,
-                 enforce_eager: bool = True, dtype: str = "bfloat16", max_num_seqs: int = 256):
+                 enforce_eager: bool = True, dtype: str = "", max_num_seqs: int = 256):
         from vllm import LLM
 
-        from eyas.host import apply_vllm_env
+        from eyas.host import apply_vllm_env, engine_dtype
 
         apply_vllm_env()
+        dtype = dtype or engine_dtype()
         # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
         self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
                        kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,

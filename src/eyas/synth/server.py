@@ -29,11 +29,14 @@ def free_port() -> int:
 
 class VllmServer:
     def __init__(self, model: str | os.PathLike, extra_args: list[str] | tuple[str, ...] = (), *,
-                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, dtype: str = "bfloat16",
+                 max_model_len: int = 2048, kv_cache_gib: float = 1.0, dtype: str = "",
                  enforce_eager: bool = True, seed: int = 0, port: int | None = None,
                  startup_timeout_s: float = 900.0, log_path: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, log_stats: bool = False):
+        from eyas.host import engine_dtype, vllm_env
+
         self.model = str(model)
+        dtype = dtype or engine_dtype()
         self.host, self.port = "127.0.0.1", port or free_port()
         self.args = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.model,
@@ -42,8 +45,6 @@ class VllmServer:
             *([] if log_stats else ["--disable-log-stats"]), "--disable-uvicorn-access-log",
             *(["--enforce-eager"] if enforce_eager else []), *extra_args,
         ]
-        from eyas.host import vllm_env
-
         self.env = {**vllm_env(), **(env or {})}
         self.startup_timeout_s = startup_timeout_s
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-server-", suffix=".log")[1])
