@@ -83,7 +83,7 @@ def test_threads_bench_rotates_layouts_and_divides_by_default(monkeypatch):
     assert s["default"]["serving_ratio"] == {1: 1.0, 4: 1.0} and len(s["default"]["synthesis_all"]) == 3
 
 
-def test_engine_dtype_follows_native_bf16(monkeypatch):
+def test_engine_dtype_follows_native_bf16(monkeypatch, tmp_path):
     from eyas import host
 
     monkeypatch.delenv("EYAS_ENGINE_DTYPE", raising=False)
@@ -92,6 +92,9 @@ def test_engine_dtype_follows_native_bf16(monkeypatch):
                       (["avx2", "amx_bf16", "amx_tile"], "bfloat16")):
         monkeypatch.setattr(host, "machine", lambda isa=isa: {"cpu": "x", "cores": 2, "isa": isa, "system": "x"})
         assert host.engine_dtype() == want, isa
+    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    assert host.engine_dtype(tmp_path) == "bfloat16"  # vLLM's fp8 method refuses a float32 engine
+    assert host.engine_dtype(tmp_path / "missing") == "float32"
     monkeypatch.setenv("EYAS_ENGINE_DTYPE", "bfloat16")
     assert host.engine_dtype() == "bfloat16"
     monkeypatch.setenv("EYAS_ENGINE_DTYPE", "bf16")

@@ -617,11 +617,15 @@ def serve_command(target: str | os.PathLike, draft: str | os.PathLike, k: int = 
     """
     import shlex
 
+    from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
+
     gpu = shlex.join(serve_argv(target, draft, k))
     cpu_target = emulated if (quantized and emulated) else target
     cpu_argv = serve_argv(cpu_target, draft, k, cpu=True)
     cpu_argv[0] = "python"
-    cpu = "VLLM_CPU_KVCACHE_SPACE=4 " + shlex.join(cpu_argv + ["--max-model-len", "4096"])
+    # this machine's engine dtype and thread layout (eyas.host; README "Machines, numerics and threads")
+    env = " ".join(f"{k}={v}" for k, v in {"VLLM_CPU_KVCACHE_SPACE": "4", **thread_layout(ENGINE_LAYOUT)}.items())
+    cpu = env + " " + shlex.join(cpu_argv + ["--max-model-len", "4096", "--dtype", engine_dtype(draft)])
     if not quantized:
         return "\n".join(["# GPU / ROCm:", gpu, "# vLLM CPU (`vllm serve` fails under the vllm-cpu distribution):", cpu])
     return "\n".join([

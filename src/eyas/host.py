@@ -13,8 +13,10 @@ engine it starts (in-process or spawned); `eyas bench threads` measured the choi
 from __future__ import annotations
 
 import functools
+import json
 import os
 import platform
+from pathlib import Path
 from typing import Any
 
 # ISA flags that change numerics (bf16 / fp16 kernels, AMX tiles) or speed on x86
@@ -81,13 +83,23 @@ def apply_vllm_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # x86 flags of CPUs that compute bf16 in hardware
 
 
-def engine_dtype() -> str:
+def engine_dtype(draft: str | os.PathLike | None = None) -> str:
     """The dtype eyas runs the target's vLLM engines in: "bfloat16" on GPUs and on CPUs with native
     bf16, else "float32" (`EYAS_ENGINE_DTYPE` overrides). On an AVX2-only EPYC vLLM's emulated bf16
-    generated 23 tok/s against float32's 83 (`eyas bench drift`), and float32 is the exact target."""
+    generated 23 tok/s against float32's 83 (`eyas bench drift`), and float32 is the exact target.
+    A quantized `draft` (an FP8 export) needs bf16: vLLM's fp8 method refuses float32."""
+    if draft and "quantization_config" in _read_json(Path(draft) / "config.json"):
+        return "bfloat16"
     if os.environ.get("EYAS_ENGINE_DTYPE"):
         dtype = os.environ["EYAS_ENGINE_DTYPE"]
         if dtype not in ("bfloat16", "float32", "float16"):

@@ -75,7 +75,7 @@ def _engine(spec: dict[str, Any]):
         seed=int(spec.get("seed", 0)),
         enforce_eager=bool(spec.get("enforce_eager", True)),
         max_num_seqs=int(spec.get("max_num_seqs", 64)),
-        dtype=spec.get("dtype") or engine_dtype(),
+        dtype=spec.get("dtype") or engine_dtype(spec.get("draft")),
     )
     if spec.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])

@@ -49,6 +49,7 @@ def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]]
     """Rows `{concurrency, baseline_tokens_per_s, spec_tokens_per_s, speedup, acceptance_length}`."""
     from transformers import AutoTokenizer
 
+    from eyas.host import engine_dtype
     from eyas.synth.server import VllmServer
     from eyas.vllm_runner import eagle3_config
 
@@ -59,7 +60,9 @@ def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]]
     results: dict[str, dict[int, dict]] = {}
     for mode, extra in modes.items():
         results[mode] = {}
-        with VllmServer(target, extra_args=extra, kv_cache_gib=kv_cache_gib, log_stats=True) as srv:
+        # both servers at the dtype the spec one needs (an FP8 draft needs bf16): the ratio compares like with like
+        with VllmServer(target, extra_args=extra, kv_cache_gib=kv_cache_gib, log_stats=True,
+                        dtype=engine_dtype(draft)) as srv:
             for c in concurrency:
                 n = prompts_per_level or max(2 * c, 4)
                 batch = [prompts[i % len(prompts)] for i in range(n)]
