@@ -92,6 +92,7 @@ def test_engine_dtype_follows_native_bf16(monkeypatch, tmp_path):
                       (["avx2", "amx_bf16", "amx_tile"], "bfloat16")):
         monkeypatch.setattr(host, "machine", lambda isa=isa: {"cpu": "x", "cores": 2, "isa": isa, "system": "x"})
         assert host.engine_dtype() == want, isa
+    monkeypatch.setattr(host, "machine", lambda: {"cpu": "x", "cores": 2, "isa": ["avx2"], "system": "x"})
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
     assert host.engine_dtype(tmp_path) == "bfloat16"  # vLLM's fp8 method refuses a float32 engine
     assert host.engine_dtype(tmp_path / "missing") == "float32"
