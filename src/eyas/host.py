@@ -1,13 +1,14 @@
-"""The machine a figure came from, and how eyas sets up vLLM's CPU threads on it.
+"""The machine a figure came from, and how eyas sets up vLLM's engines on it (threads, dtype).
 
-Machines of one kind differ in CPU (AMD EPYC without AMX, Intel Xeon with AMX): their bf16
-kernels round differently and run at different speeds, so every manifest and every
-`eyas bench` output records `machine()`, and figures from two machines are never
+Machines of one kind differ in CPU (AMD EPYC with AVX-512 or AVX2 only, Intel Xeon with
+AMX): their bf16 kernels round differently and run at different speeds, so every manifest
+and every `eyas bench` output records `machine()`, and figures from two machines are never
 compared blind.
 
-vLLM CPU runs its model on one OpenMP thread per worker unless told otherwise ("Reducing
-Torch threads from 2 to 1 for serving"). `vllm_env()` is the environment eyas gives every
-engine it starts (in-process or spawned); `eyas bench threads` measured the choice.
+vLLM CPU binds its worker to one core and reserves the rest for its frontend unless told
+otherwise ("Reducing Torch threads from 2 to 1 for serving"). `vllm_env()` is the
+environment eyas gives every engine it starts (in-process or spawned) and `engine_dtype()`
+the dtype; `eyas bench threads` and `eyas bench drift` measured both choices.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 # ISA flags that change numerics (bf16 / fp16 kernels, AMX tiles) or speed on x86
 NUMERIC_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_bf16", "amx_tile", "amx_int8")
+NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # x86 flags of CPUs that compute bf16 in hardware
 
 # Thread layouts of vLLM CPU's engine (`eyas bench threads` runs each side by side).
 THREAD_LAYOUTS: dict[str, dict[str, str]] = {
@@ -88,9 +90,6 @@ def _read_json(path: Path) -> dict[str, Any]:
         return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-
-
-NATIVE_BF16 = ("avx512_bf16", "amx_bf16")  # x86 flags of CPUs that compute bf16 in hardware
 
 
 def engine_dtype(draft: str | os.PathLike | None = None) -> str:
