@@ -32,9 +32,10 @@ THREAD_LAYOUTS: dict[str, dict[str, str]] = {
 }
 # What eyas starts its engines with. `eyas bench threads` on a 2-core AMD EPYC (AVX2), two
 # repeats side by side: bind-all 1.8x vLLM's default for synthesis, 1.4x for serving at
-# concurrency 1 and 4; omp-all equals the default (vLLM still binds its worker to one core
-# and sets the worker's OMP_NUM_THREADS to that core count). README "Threads".
+# concurrency 1 and 4; omp-all equals the default (the log still shows the worker bound to one
+# core; vLLM sets the worker's OMP_NUM_THREADS to the bound core count). README "Threads".
 ENGINE_LAYOUT = "bind-all"
+USER_THREAD_VARS = ("OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_NUM_OF_RESERVED_CPU")  # set: yours win
 
 
 @functools.lru_cache(maxsize=1)
@@ -72,9 +73,8 @@ def thread_layout(name: str, cpus: list[int] | None = None) -> dict[str, str]:
 def vllm_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """`base` (default: os.environ) plus ENGINE_LAYOUT's settings where the user set none of them."""
     env = dict(os.environ if base is None else base)
-    layout = thread_layout(ENGINE_LAYOUT)
-    if not any(k in env for k in (*layout, "OMP_NUM_THREADS", "VLLM_CPU_OMP_THREADS_BIND")):
-        env.update(layout)
+    if not any(k in env for k in USER_THREAD_VARS):
+        env.update(thread_layout(ENGINE_LAYOUT))
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return env
 

@@ -37,6 +37,13 @@ def _prompts(cfg) -> Path:
     return build_mix(d.sources, d.max_per_source, d.seed, d.out or data_root() / "mix", d.eval_fraction)["eval"]
 
 
+def _conversations(cfg) -> list[list[dict]]:
+    """The first user turn(s) of up to `bench.limit` prompts per domain of `_prompts(cfg)`."""
+    from eyas.bench.acceptance import domain_prompts
+
+    return [r["messages"] for r in domain_prompts(_prompts(cfg), cfg.bench.limit)]
+
+
 def cli(cfg, actions: list[str]) -> int:
     from eyas.host import machine, machine_line
     from eyas.models import resolve_target
@@ -56,10 +63,8 @@ def cli(cfg, actions: list[str]) -> int:
                                b.k, b.max_tokens)
     elif what == "throughput":
         from eyas.bench.throughput import bench_throughput
-        from eyas.bench.acceptance import domain_prompts
 
-        prompts = [r["messages"] for r in domain_prompts(_prompts(cfg), b.limit)]
-        res = bench_throughput(target, Path(b.draft), prompts, b.concurrency, b.max_tokens, b.k)
+        res = bench_throughput(target, Path(b.draft), _conversations(cfg), b.concurrency, b.max_tokens, b.k)
         print(json.dumps(res, indent=2))
     elif what == "extract":
         from eyas.extract.bench import run_bench
@@ -70,16 +75,13 @@ def cli(cfg, actions: list[str]) -> int:
 
         res = run_bench(str(target))
     elif what == "drift":
-        from eyas.bench.acceptance import domain_prompts
         from eyas.bench.drift import bench_drift
 
-        res = bench_drift(target, [r["messages"] for r in domain_prompts(_prompts(cfg), b.limit)], b.max_tokens)
+        res = bench_drift(target, _conversations(cfg), b.max_tokens)
     elif what == "threads":
-        from eyas.bench.acceptance import domain_prompts
         from eyas.bench.threads import bench_threads
 
-        res = bench_threads(target, [r["messages"] for r in domain_prompts(_prompts(cfg), b.limit)],
-                            b.concurrency, b.max_tokens)
+        res = bench_threads(target, _conversations(cfg), b.concurrency, b.max_tokens)
     else:
         from eyas.quant.bench import run_bench
 

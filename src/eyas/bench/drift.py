@@ -59,9 +59,9 @@ def agreement(model, replies: list[tuple[list, list]]) -> dict[str, Any]:
             diverged += 1
             first.append(int(miss[0]))
             gaps += (top2.values[miss, 0] - top2.values[miss, 1]).tolist()
+    n = sum(1 for _, g in replies if g)
     return {"positions": positions, "agree": agree, "top1_agreement": agree / max(positions, 1),
-            "replies": sum(1 for _, g in replies if g), "diverged": diverged,
-            "diverged_share": diverged / max(1, sum(1 for _, g in replies if g)),
+            "replies": n, "diverged": diverged, "diverged_share": diverged / max(1, n),
             "first_divergence_median": statistics.median(first) if first else None,
             "disagreements": len(gaps), "near_ties": sum(g < NEAR_TIE for g in gaps),
             "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None}

@@ -25,19 +25,11 @@ def _synthesis(target: Path, prompts: list[list[dict]], max_tokens: int, env: di
 
 def _serving(target: Path, prompts: list[list[dict]], max_tokens: int, concurrency: list[int],
              env: dict[str, str]) -> dict[int, float]:
-    """Output tokens/s per concurrency from vLLM's serving benchmark."""
-    from transformers import AutoTokenizer
+    """Output tokens/s per concurrency of the plain target, from `eyas bench throughput`'s baseline."""
+    from eyas.bench.throughput import bench_throughput
 
-    from eyas.bench.throughput import run_serving_benchmark
-    from eyas.synth.server import VllmServer
-
-    tok = AutoTokenizer.from_pretrained(str(target))
-    out = {}
-    with VllmServer(target, kv_cache_gib=2.0, env=env) as srv:
-        for c in concurrency:
-            batch = [prompts[i % len(prompts)] for i in range(max(2 * c, 4))]
-            out[c] = run_serving_benchmark(srv.url, str(target), tok, batch, max_tokens, c)["output_throughput"]
-    return out
+    rows = bench_throughput(target, None, prompts, concurrency, max_tokens, env=env)
+    return {r["concurrency"]: r["baseline_tokens_per_s"] for r in rows}
 
 
 def bench_threads(target: Path, prompts: list[list[dict]], concurrency: list[int], max_tokens: int = 128,

@@ -45,8 +45,10 @@ def run_serving_benchmark(base_url: str, model: str, tokenizer, prompts: list[li
 
 def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]], concurrency: list[int],
                      max_tokens: int = 128, k: int = 3, prompts_per_level: int = 0,
-                     kv_cache_gib: float = 2.0, out: Path | None = None) -> list[dict[str, Any]]:
-    """Rows `{concurrency, baseline_tokens_per_s, spec_tokens_per_s, speedup, acceptance_length}`."""
+                     kv_cache_gib: float = 2.0, out: Path | None = None,
+                     env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Rows `{concurrency, baseline_tokens_per_s, spec_tokens_per_s, speedup, acceptance_length}`;
+    `env` entries override the servers' engine environment (`eyas bench threads`)."""
     from transformers import AutoTokenizer
 
     from eyas.host import engine_dtype
@@ -62,7 +64,7 @@ def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]]
         results[mode] = {}
         # both servers at the dtype the spec one needs (an FP8 draft needs bf16): the ratio compares like with like
         with VllmServer(target, extra_args=extra, kv_cache_gib=kv_cache_gib, log_stats=True,
-                        dtype=engine_dtype(draft)) as srv:
+                        dtype=engine_dtype(draft), env=env) as srv:
             for c in concurrency:
                 n = prompts_per_level or max(2 * c, 4)
                 batch = [prompts[i % len(prompts)] for i in range(n)]
