@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from eyas.draft.model import DraftSpec, Eagle3Draft, draft_config_dict
-from eyas.draft.ttt import Batch, TargetHead, load_target_head, step_masks, ttt_loss, ttt_mask, unroll
+from eyas.draft.ttt import Batch, TargetHead, step_masks, ttt_loss
+from eyas.draft.unroll import ttt_mask, unroll
+from eyas.target import load_head as load_target_head
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, check_vocab, top_n_vocab
 
 VLLM_KEYS = {

@@ -6,8 +6,10 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
-from eyas.evaluate import counters_from_prometheus, format_table, load_prompts, summarize
-from eyas.export import random_draft, write_draft
+from eyas.acceptance import counters_from_prometheus, load_prompts, summarize
+from eyas.draft.contract import random_draft
+from eyas.evaluate import format_table
+from eyas.export import write_draft
 
 
 def write_prompts(path: Path, domains=("chat", "math"), per_domain=2) -> Path:
@@ -70,8 +72,9 @@ def test_format_table():
 
 
 def test_on_checkpoint_keeps_best(tiny_llama, tmp_path, monkeypatch):
-    from eyas import evaluate, export, serve_eval
-    from eyas.config import TrainConfig
+    from eyas import export, serve_eval
+    from eyas.checkpoints import resolve_checkpoint
+    from eyas.config import EvalConfig
 
     run = tmp_path / "run"
     state, cfg = random_draft(tiny_llama, draft_vocab_size=512)
@@ -87,34 +90,35 @@ def test_on_checkpoint_keeps_best(tiny_llama, tmp_path, monkeypatch):
                 "n_prompts": len(prompts), "generated_tokens": 10, "tokens_per_s": 5.0,
                 "domains": {"chat": {"acceptance_length": al}}}
 
-    monkeypatch.setattr(evaluate, "measure_acceptance", fake_measure)
-    tc = TrainConfig(target=str(tiny_llama), eval_prompts=str(write_prompts(tmp_path / "p.jsonl")), eval_limit=3)
+    monkeypatch.setattr(serve_eval, "measure_acceptance", fake_measure)
+    ev = EvalConfig(prompts=str(write_prompts(tmp_path / "p.jsonl")), k=2, max_tokens=40, kv_cache_gib=1.5)
+    callback = serve_eval.checkpoint_callback(run, ev, limit=3, target=str(tiny_llama))
     for step in (100, 200, 300):
         (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        rec = serve_eval.on_checkpoint(run, run / "checkpoints" / f"step_{step}", step, tc, est_al=1.5)
-        assert rec["step"] == step and rec["eval_seconds"] >= 0 and rec["est_al"] == 1.5
+        rec = callback(run / "checkpoints" / f"step_{step}", step, 1.5)
+        assert rec["step"] == step and rec["eval_seconds"] >= 0 and rec["est_al"] == 1.5 and rec["k"] == 2
         if step == 200:
             assert os.readlink(run / "checkpoints" / "best") == "step_100"  # 1.2 < 1.4: best unchanged
     assert calls[0][0] == run / "serve_eval" / "step_100" / "draft" and calls[0][1] == 3
+    assert {k: calls[0][2][k] for k in ("k", "max_tokens", "kv_cache_gib")} == {"k": 2, "max_tokens": 40,
+                                                                             "kv_cache_gib": 1.5}  # eval.*
     assert (calls[0][0] / "config.json").exists()
     recs = serve_eval.read_records(run)
     assert [r["true_al"] for r in recs] == [1.4, 1.2, 1.7] and [r["best"] for r in recs] == [True, False, True]
     assert set(recs[0]) >= {"step", "true_al", "est_al", "eval_seconds", "per_pos"}
     assert os.readlink(run / "checkpoints" / "best") == "step_300"
     assert json.loads((run / "checkpoints" / "best.json").read_text())["true_al"] == 1.7
-    from eyas.export import resolve_checkpoint
-
     assert resolve_checkpoint(run, "best").name == "step_300"
 
     def failing(*a, **kw):
         raise RuntimeError("vLLM runner exited with 1")
 
-    monkeypatch.setattr(evaluate, "measure_acceptance", failing)
+    monkeypatch.setattr(serve_eval, "measure_acceptance", failing)
     (run / "checkpoints" / "step_400").mkdir()
-    rec = serve_eval.on_checkpoint(run, run / "checkpoints" / "step_400", 400, tc, est_al=1.9)
+    rec = callback(run / "checkpoints" / "step_400", 400, 1.9)
     assert rec["true_al"] is None and "exited with 1" in rec["error"]
     assert os.readlink(run / "checkpoints" / "best") == "step_300"
-    assert serve_eval.on_checkpoint(run, run / "checkpoints" / "step_400", 400, TrainConfig(), 1.0) is None
+    assert serve_eval.checkpoint_callback(run, EvalConfig(), limit=3) is None  # no eval.prompts: no callback
 
 
 # ---------------------------------------------------------------- vLLM
@@ -157,7 +161,7 @@ def test_eval_cli_random_draft(vllm_target, tmp_path, capsys):
 @pytest.mark.slow
 def test_eval_baseline_and_perfect_draft(constant_target, tmp_path):
     """A draft that always proposes token 0 for a target that always emits it: AL = k + 1 exactly."""
-    from eyas.evaluate import measure_acceptance
+    from eyas.acceptance import measure_acceptance
 
     state, cfg = random_draft(constant_target, draft_vocab_size=1024)
     state["norm.weight"].zero_()  # draft logits all 0 -> draft id 0 -> target id 0 + d2t[0] = 0
@@ -178,7 +182,6 @@ def test_served_draft_metrics(constant_target, tmp_path):
     """Deploy check: the serve command's server answers chat requests; /metrics carries the spec counters."""
     import requests
 
-    from eyas.evaluate import counters_from_prometheus
     from eyas.export import serve_argv
     from eyas.synth.server import VllmServer
 

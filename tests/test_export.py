@@ -8,14 +8,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from eyas.export import (
-    LINEARS,
-    random_draft,
-    resolve_checkpoint,
-    serve_command,
-    validate_draft,
-    write_draft,
-)
+from eyas.checkpoints import resolve_checkpoint
+from eyas.draft.contract import LINEARS, random_draft, validate_draft
+from eyas.export import serve_command, write_draft
 
 
 def tensors(d: Path) -> dict[str, torch.Tensor]:

@@ -119,7 +119,7 @@ def print_errors(title: str) -> None:
 # ---------------------------------------------------------------- interface, rendering
 
 def test_layer_ids():
-    from eyas.extract import default_layer_ids, resolve_layer_ids
+    from eyas.target import default_layer_ids, resolve_layer_ids
 
     assert default_layer_ids(30) == [2, 15, 27]
     assert default_layer_ids(4) == [1, 2, 3]
@@ -305,7 +305,7 @@ def test_offline_killed_resumes(tmp_path, tiny_llama):
 # ---------------------------------------------------------------- streaming
 
 def start_producer(target, data, address, *extra):
-    cmd = [sys.executable, "-m", "eyas.extract.stream", "--target", str(target), "--data", str(data),
+    cmd = [sys.executable, "-m", "eyas", "extract", "--mode", "streaming", "--target", str(target), "--data", str(data),
            "--connect", address, "--layer-ids", "1", "2", "3", *extra]
     return subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"},
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

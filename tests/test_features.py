@@ -1,19 +1,12 @@
-"""The feature format: shards + manifest, fp8 storage, verify, resume bookkeeping, the sampler."""
+"""The feature format: shards + manifest, fp8 storage, verify, resume bookkeeping."""
 
 import json
 
 import pytest
 import torch
 
-from eyas.features import (
-    FeatureWriter,
-    TokenBudgetSampler,
-    bytes_per_token,
-    dequantize_fp8,
-    open_features,
-    quantize_fp8,
-    verify_features,
-)
+from eyas.features import FeatureWriter, bytes_per_token, open_features, verify_features
+from eyas.fp8 import dequantize_fp8, quantize_fp8
 
 H, N_AUX = 64, 3
 
@@ -136,39 +129,3 @@ def test_writer_resume_and_identity(tmp_path):
     verify_features(tmp_path / "f")
     with pytest.raises(ValueError, match="different settings"):
         FeatureWriter(tmp_path / "f", {**header(), "layer_ids": [0, 1, 2]})
-
-
-def test_sampler_budget_determinism_resume():
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(10, 500, (300,), generator=g).tolist() + [900]  # one longer than the budget
-    budget = 800
-    s = TokenBudgetSampler(lengths, budget, shuffle=True, seed=3)
-    e0 = s.batches(0)
-    flat = sorted(i for b in e0 for i in b)
-    assert flat == list(range(len(lengths)))  # every sample exactly once per epoch
-    for b in e0:
-        assert max(lengths[i] for i in b) * len(b) <= budget or len(b) == 1
-    assert [900] in [[lengths[i] for i in b] for b in e0]
-    # length grouping: little padding
-    padded = sum(max(lengths[i] for i in b) * len(b) for b in e0)
-    assert sum(lengths) / padded > 0.8
-    assert TokenBudgetSampler(lengths, budget, seed=3).batches(0) == e0  # deterministic per (seed, epoch)
-    assert s.batches(1) != e0 and TokenBudgetSampler(lengths, budget, seed=4).batches(0) != e0
-    # resume mid-epoch from a state
-    it = iter(s)
-    first = [next(it) for _ in range(5)]
-    state = s.state_dict()
-    rest = list(it)
-    assert first + rest == e0 and s.epoch == 1
-    s2 = TokenBudgetSampler(lengths, budget, seed=3)
-    s2.load_state_dict(state)
-    assert list(s2) == rest
-    with pytest.raises(ValueError, match="does not match"):
-        TokenBudgetSampler(lengths, 100, seed=3).load_state_dict(state)
-    # ranks: disjoint, equal counts
-    r = [TokenBudgetSampler(lengths, budget, seed=3, rank=k, world_size=2).batches(0) for k in (0, 1)]
-    assert len(r[0]) == len(r[1])
-    assert not {i for b in r[0] for i in b} & {i for b in r[1] for i in b}
-    # no shuffle: sorted pools, stable
-    assert TokenBudgetSampler(lengths, budget, shuffle=False).batches(0) == \
-        TokenBudgetSampler(lengths, budget, shuffle=False).batches(5)

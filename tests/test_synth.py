@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
-from eyas.config import Recipe, SynthConfig
+from eyas.config import RunConfig, SynthConfig
 from eyas.host import engine_dtype, vllm_env
 from eyas.manifest import read_manifest
 from eyas.synth import OUT_FILE, cli, plan_points, scan_jsonl, synthesize
@@ -207,22 +207,21 @@ def test_endpoint_engine_retries_then_clear_error(tmp_path, embedded_target, fak
     # a server that dies mid-run: rows of finished batches stay, the CLI says what happened, a re-run resumes
     url = f"http://127.0.0.1:{fake_openai.server_address[1]}/v1"
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": i, "messages": [U(f"q{i}")]} for i in range(20)])
-    recipe = Recipe()
-    recipe.synth = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"),
-                               endpoint=[url, url], concurrency=2)  # batches of 2 * 4 * 2 = 16
+    sc = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"),
+                     endpoint=[url, url], concurrency=2)  # batches of 2 * 4 * 2 = 16
     fake_openai.die_after = 16
-    assert cli(recipe, []) == 1
+    assert cli(sc, [], RunConfig()) == 1
     assert "unreachable" in capsys.readouterr().err
     out = tmp_path / "out"
     assert len(read_out(out)) == 16 and read_manifest(out)["complete"] is False
     fake_openai.die_after = 10**9
-    assert cli(recipe, []) == 0
+    assert cli(sc, [], RunConfig()) == 0
     assert sorted(read_out(out)) == list(range(20)) and read_manifest(out)["complete"] is True
     # an endpoint that renders chats differently from our template is refused
     fake_openai.extra_ids = [0]
-    recipe.synth.out = str(tmp_path / "out2")
+    sc.out = str(tmp_path / "out2")
     with pytest.raises(ValueError, match="renders chats differently"):
-        synthesize(recipe.synth)
+        synthesize(sc)
 
 
 # ---------------------------------------------------------------- slow: vLLM

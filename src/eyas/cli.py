@@ -16,23 +16,26 @@ import typing
 
 from eyas import config as C
 
-# subcommand -> (config section, "module:function", help)
-STAGES: dict[str, tuple[str, str, str]] = {
-    "models": ("models", "eyas.models:cli", "fetch / locate a target model (`models fetch|path NAME`)"),
-    "data": ("data", "eyas.data:cli", "fetch prompt data, show stats (`data fetch NAME...|stats FILE`)"),
-    "synth": ("synth", "eyas.synth:cli", "stage 1: on-policy synthesis of assistant turns by the target in vLLM"),
-    "extract": ("extract", "eyas.extract:cli", "stage 2: hidden-state extraction (offline / online / streaming)"),
-    "train": ("train", "eyas.train:cli", "stage 3: cold-start FSDP2 training of the EAGLE-3 head (TTT loss)"),
-    "eval": ("eval", "eyas.evaluate:cli", "stage 4: true acceptance length under vLLM speculative decoding"),
-    "export": ("export", "eyas.export:cli", "stage 5: export a vLLM-ready draft (bf16 / fp8, vllm / speculators)"),
-    "quantize": ("quantize", "eyas.quant:cli", "MXFP4 (OCP MX) quantization of the target in Quark's format"),
-    "bench": ("bench", "eyas.bench:cli", "benchmarks (`bench extract|train|quant|al|throughput`)"),
-    "run": ("run", "eyas.pipeline:cli", "all stages end to end (the demo pipeline)"),
+# subcommand -> (its config section, the sections its entry takes, "module:function", help).
+# A stage's entry is called as fn(*sections, actions, run): its own typed section(s), the
+# positional actions and the run's shared section. None: the entry joins every stage and
+# takes the whole Recipe (`eyas run`, `eyas bench`).
+STAGES: dict[str, tuple[str, tuple[str, ...] | None, str, str]] = {
+    "models": ("models", ("models",), "eyas.models:cli", "fetch / locate a target model (`models fetch|path NAME`)"),
+    "data": ("data", ("data",), "eyas.data:cli", "fetch prompt data, show stats (`data fetch NAME...|stats FILE`)"),
+    "synth": ("synth", ("synth",), "eyas.synth:cli",
+              "stage 1: on-policy synthesis of assistant turns by the target in vLLM"),
+    "extract": ("extract", ("extract",), "eyas.extract:cli",
+                "stage 2: hidden-state extraction (offline / online / streaming)"),
+    "train": ("train", ("train", "eval"), "eyas.serve_eval:train_cli",
+              "stage 3: cold-start FSDP2 training of the EAGLE-3 head (TTT loss), serve-evaluated with eval.*"),
+    "eval": ("eval", ("eval",), "eyas.evaluate:cli", "stage 4: true acceptance length under vLLM speculative decoding"),
+    "export": ("export", ("export",), "eyas.export:cli",
+               "stage 5: export a vLLM-ready draft (bf16 / fp8, vllm / speculators)"),
+    "quantize": ("quantize", ("quantize",), "eyas.quant:cli", "MXFP4 (OCP MX) quantization of the target in Quark's format"),
+    "bench": ("bench", None, "eyas.bench:cli", "benchmarks (`bench al|throughput|extract|train|quant|drift|threads`)"),
+    "run": ("run", None, "eyas.pipeline:cli", "all stages end to end (the demo pipeline)"),
 }
-
-
-class NotBuilt(RuntimeError):
-    """A stage that a later issue builds."""
 
 
 def _flag(name: str) -> str:
@@ -57,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="eyas", description="Train EAGLE-3 draft heads with vLLM in the loop.")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     sub.required = True
-    for name, (section, _, help_) in STAGES.items():
+    for name, (section, _, _, help_) in STAGES.items():
         p = sub.add_parser(name, help=help_, description=help_)
         p.add_argument("--recipe", default=None, help="recipe name under recipes/ or a YAML path")
         _add_section_flags(p, section)
@@ -73,13 +76,13 @@ def resolve(args: argparse.Namespace, section: str | None) -> tuple[C.Recipe, li
     """Recipe, then flags of the command's own section, then `key=value` overrides."""
     overrides = [r for r in args.rest if "=" in r]
     actions = [r for r in args.rest if "=" not in r]
-    cfg = C.load_recipe(args.recipe)
+    cfg = C.read_recipe(args.recipe)
     if section is not None:
         values = {k[5:]: v for k, v in vars(args).items() if k.startswith("cfg__") and v is not None}
         C.update_section(getattr(cfg, section), values, f"--flags of {section}")
     for ov in overrides:
         C.apply_override(cfg, ov, default_section=section)
-    return cfg, actions
+    return C.finalize(cfg), actions
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,19 +94,13 @@ def main(argv: list[str] | None = None) -> int:
                 raise ValueError(f"unknown section {args.section!r}; valid sections: {', '.join(C.SECTIONS)}")
             print(C.dump_yaml(getattr(cfg, args.section) if args.section else cfg), end="")
             return 0
-        section, target, _ = STAGES[args.command]
+        section, takes, target, _ = STAGES[args.command]
         cfg, actions = resolve(args, section)
         module, func = target.split(":")
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as e:
-            if e.name == module:
-                raise NotBuilt(f"stage {args.command!r} is not built yet") from None
-            raise
-        return int(getattr(mod, func)(cfg, actions) or 0)
-    except NotBuilt as e:
-        print(f"eyas: {e}", file=sys.stderr)
-        return 3
+        entry = getattr(importlib.import_module(module), func)
+        if takes is None:
+            return int(entry(cfg, actions) or 0)
+        return int(entry(*(getattr(cfg, t) for t in takes), actions, cfg.run) or 0)
     except ValueError as e:
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -23,7 +23,7 @@ RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 class ModelsConfig:
     """Stage 0: which target to fetch / resolve (a registry name or a local HF dir)."""
 
-    target: str = "smollm2-135m-instruct"
+    target: str = ""  # default: run.target
     check: bool = True  # after conversion, load and generate a reply through the chat template
 
 
@@ -42,7 +42,7 @@ class DataConfig:
 class SynthConfig:
     """Stage 1: the target writes the assistant turns (vLLM in-process or endpoints)."""
 
-    target: str = ""
+    target: str = ""  # default: run.target
     prompts: str = ""
     out: str = ""
     max_tokens: int = 256
@@ -54,7 +54,7 @@ class SynthConfig:
     concurrency: int = 8  # sequences in flight per endpoint or in the in-process engine (max_num_seqs)
     serve: bool = False  # start a local `vllm serve` for the target and drive it
     chat_template: str = ""  # a template file, as `vllm serve --chat-template` takes it
-    turns: str = "regenerate"  # regenerate every assistant turn, or "last" only
+    turns: Literal["regenerate", "last"] = "regenerate"  # regenerate every assistant turn, or the last only
     max_model_len: int = 2048
     kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     enforce_eager: bool = True  # skip torch.compile: ~4x faster start-up on CPU, ~20% slower decode
@@ -64,18 +64,18 @@ class SynthConfig:
 class ExtractConfig:
     """Stage 2: aux hidden states (+ final normed state) per token, with the loss mask."""
 
-    target: str = ""
+    target: str = ""  # default: run.target
     data: str = ""
     out: str = ""
-    backend: str = "hf"  # hf | vllm
-    mode: str = "offline"  # offline | online | streaming
+    backend: Literal["hf", "vllm"] = "hf"
+    mode: Literal["offline", "online", "streaming"] = "offline"
     layer_ids: list[int] = field(default_factory=list)  # empty: (2, L//2, L-3)
-    dtype: str = "bf16"  # bf16 | fp8
+    dtype: Literal["bf16", "fp8"] = "bf16"  # storage
     max_len: int = 2048
     samples_per_shard: int = 64
     limit: int = 0
     verify: str = ""  # a feature dir to verify instead of extracting
-    compute_dtype: str = "auto"  # auto | bf16 | fp32: the target's dtype (auto: hf bf16, vllm eyas.host.engine_dtype)
+    compute_dtype: Literal["auto", "bf16", "fp32"] = "auto"  # the target's dtype (auto: hf bf16, vllm eyas.host.engine_dtype)
     device: str = "cpu"  # hf backend: where the target runs (cpu, cuda:0, ...)
     batch_tokens: int = 8192  # hf backend: padded tokens per forward
     chat_template: str = ""  # a template file, as `vllm serve --chat-template` takes it
@@ -89,10 +89,10 @@ class ExtractConfig:
 class TrainConfig:
     """Stage 3: cold-start EAGLE-3 head with the TTT loss under FSDP2."""
 
-    target: str = ""
+    target: str = ""  # default: run.target
     features: str = ""
     out: str = ""
-    source: str = "offline"  # offline | online | streaming
+    source: Literal["offline", "online", "streaming"] = "offline"
     max_steps: int = 200
     resume: bool = False
     ttt_steps: int = 7
@@ -109,13 +109,13 @@ class TrainConfig:
     seed: int = 0
     log_every: int = 10
     save_every: int = 100
-    eval_every: int = 0  # serve-eval every N steps (0: only at the end)
-    eval_prompts: str = ""
-    eval_limit: int = 16
-    precision: str = "auto"  # auto | bf16 | fp32
+    eval_every: int = 0  # serve-eval every N steps (0: only at the end), measured with the eval section
+    eval_prompts: str = ""  # deprecated: eval.prompts (a recipe that sets this sets eval.prompts)
+    eval_limit: int = 16  # serve-eval on the first N prompts of eval.prompts (0: all)
+    precision: Literal["auto", "bf16", "fp32"] = "auto"
     fc_norm: bool = False
     freeze_embed: bool = True
-    loss_tokens: str = "assistant"  # assistant | all (prompt tokens too, against the target's distributions)
+    loss_tokens: Literal["assistant", "all"] = "assistant"  # all: prompt tokens too, against the target's distributions
     score_every: int = 1  # accuracy metrics on every Nth micro-batch (the target's full-vocab top-1: about 1/4 of a CPU step here)
     layer_ids: list[int] = field(default_factory=list)  # online source: empty = (2, L//2, L-3); offline: the features'
     lr_decay_steps: int = 0  # cosine horizon (0 = max_steps); fix it to stop early and resume on the same schedule
@@ -130,19 +130,19 @@ class ExportConfig:
     run: str = ""
     out: str = ""
     checkpoint: str = "best"  # best | latest | step_N
-    format: str = "vllm"  # vllm | speculators
-    dtype: str = "bf16"  # bf16 | fp8 | fp8-emulated (fp8-rounded weights stored as bf16, for vLLM CPU)
+    format: Literal["vllm", "speculators"] = "vllm"
+    dtype: Literal["bf16", "fp8", "fp8-emulated"] = "bf16"  # fp8-emulated: fp8-rounded weights stored as bf16, for vLLM CPU
     verify: bool = False  # reload the draft in vLLM with the target and decode a few tokens speculatively
-    target: str = ""  # default: the target recorded in the checkpoint
+    target: str = ""  # default: the target recorded in the checkpoint (not run.target)
     k: int = 3  # num_speculative_tokens for --verify, the serve command and the speculators config
     keep_embed: bool = False  # keep embed_tokens even when it equals the target's
 
 
 @dataclass
 class EvalConfig:
-    """Stage 4: true acceptance length from vLLM's spec-decode counters."""
+    """Stage 4: true acceptance length from vLLM's spec-decode counters (`eyas eval`, and serve-eval in training)."""
 
-    target: str = ""
+    target: str = ""  # default: run.target
     draft: str = ""
     prompts: str = ""
     k: int = 3
@@ -163,9 +163,9 @@ class QuantizeConfig:
 
     model: str = ""
     out: str = ""
-    scheme: str = "mxfp4"
+    scheme: Literal["mxfp4"] = "mxfp4"
     exclude: list[str] = field(default_factory=lambda: ["lm_head"])
-    activations: str = "none"  # none | mxfp4
+    activations: Literal["none", "mxfp4"] = "none"
     emulate: bool = False
 
 
@@ -173,11 +173,11 @@ class QuantizeConfig:
 class BenchConfig:
     """Benchmarks: acceptance per domain / context bucket, throughput vs baseline."""
 
-    target: str = ""
+    target: str = ""  # default: run.target
     draft: str = ""
     out: str = ""
     prompts: str = ""  # eval prompts JSONL (default: the held-out split of the data mix)
-    what: str = "al"  # al | throughput | extract | train | quant | drift | threads
+    what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads"] = "al"
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 6144])  # prompt tokens
     per_bucket: int = 4
@@ -228,6 +228,11 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             value = [value]
         return [_coerce(v, item_tp, where) for v in value]
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ValueError(f"{where}: {value!r} is not one of {' | '.join(map(str, allowed))}")
+        return value
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -268,6 +273,39 @@ def update_section(obj: Any, values: dict[str, Any], where: str) -> None:
         setattr(obj, key, _coerce(value, hints[key], f"{where}.{key}"))
 
 
+def choices(section: type, name: str) -> tuple[str, ...]:
+    """The values a `Literal[...]` field of a section accepts (one definition: the annotation)."""
+    return typing.get_args(typing.get_type_hints(section)[name])
+
+
+def check_choices(section: Any, where: str = "") -> None:
+    """Every `Literal[...]` field of a section object holds one of its values (ValueError names the field).
+
+    `finalize` runs it on every section; a stage handed a section built in code runs it first."""
+    name = where or type(section).__name__
+    for key, tp in typing.get_type_hints(type(section)).items():
+        if typing.get_origin(tp) is Literal and getattr(section, key) not in typing.get_args(tp):
+            raise ValueError(f"{name}.{key}: {getattr(section, key)!r} is not one of "
+                             f"{' | '.join(map(str, typing.get_args(tp)))}")
+
+
+INHERITS_TARGET = ("models", "synth", "extract", "train", "eval", "bench")  # export: the checkpoint's own
+
+
+def finalize(cfg: Recipe) -> Recipe:
+    """The run's shared facts, applied once after every override: a stage section without a
+    `target` takes `run.target`; the deprecated `train.eval_prompts` fills `eval.prompts`."""
+    for name in INHERITS_TARGET:
+        sec = getattr(cfg, name)
+        if not sec.target:
+            sec.target = cfg.run.target
+    if cfg.train.eval_prompts and not cfg.eval.prompts:
+        cfg.eval.prompts = cfg.train.eval_prompts
+    for name in SECTIONS:
+        check_choices(getattr(cfg, name), name)
+    return cfg
+
+
 def resolve_recipe_path(recipe: str) -> Path:
     """A recipe is a name under `recipes/` (`demo`) or a path to a YAML file."""
     p = Path(recipe)
@@ -283,7 +321,15 @@ def resolve_recipe_path(recipe: str) -> Path:
 
 
 def load_recipe(recipe: str | None = None, overrides: list[str] | None = None) -> Recipe:
-    """Defaults, then the recipe file, then `section.field=value` overrides."""
+    """Defaults, then the recipe file, then `section.field=value` overrides, then `finalize`."""
+    cfg = read_recipe(recipe)
+    for ov in overrides or []:
+        apply_override(cfg, ov)
+    return finalize(cfg)
+
+
+def read_recipe(recipe: str | None = None) -> Recipe:
+    """Defaults, then the recipe file: not finalized (overrides may follow)."""
     cfg = Recipe()
     if recipe:
         path = resolve_recipe_path(recipe)
@@ -299,8 +345,6 @@ def load_recipe(recipe: str | None = None, overrides: list[str] | None = None) -
             if not isinstance(values, dict):
                 raise ValueError(f"{path}: section {section!r} must be a mapping of keys")
             update_section(getattr(cfg, section), values, f"{path.name}:{section}")
-    for ov in overrides or []:
-        apply_override(cfg, ov)
     return cfg
 
 

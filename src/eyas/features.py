@@ -21,9 +21,7 @@ the ids of listed shards, and `verify_features` re-checks checksums and shapes.
 from __future__ import annotations
 
 import json
-import math
 import os
-import random
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,31 +29,17 @@ from typing import Any
 
 import torch
 
+from eyas.config import ExtractConfig, choices
+from eyas.fp8 import dequantize_fp8, quantize_fp8
 from eyas.manifest import read_manifest, sha256_file
 
 FORMAT = "eyas-features-v1"
-FP8_MAX = 448.0
-STORAGE_DTYPES = ("bf16", "fp8")
+STORAGE_DTYPES = choices(ExtractConfig, "dtype")
 SHARD_GLOB = "shard-*.safetensors"
 
 
 def shard_name(index: int) -> str:
     return f"shard-{index:05d}.safetensors"
-
-
-# ---------------------------------------------------------------- fp8 storage
-
-def quantize_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., H] -> (q float8_e4m3fn [..., H], scale fp32 [...]) with one scale per row."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1).clamp_min(1e-12)  # [...]
-    scale = amax / FP8_MAX
-    q = (xf / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
-
-
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    return (q.float() * scale.float().unsqueeze(-1)).to(dtype)
 
 
 def bytes_per_token(hidden: int, n_aux: int, dtype: str) -> int:
@@ -265,7 +249,7 @@ class FeatureDataset:
 
     @property
     def lengths(self) -> list[int]:
-        """Tokens per sample, for `TokenBudgetSampler`."""
+        """Tokens per sample, for `eyas.packing`."""
         if self._lengths is None:
             out: list[int] = []
             for si in range(len(self.manifest["shards"])):
@@ -368,83 +352,3 @@ def verify_features(path: str | os.PathLike) -> dict[str, Any]:
 def _st_dtype(name: str) -> torch.dtype:
     return {"BF16": torch.bfloat16, "F8_E4M3": torch.float8_e4m3fn, "F32": torch.float32, "I64": torch.int64,
             "BOOL": torch.bool, "F16": torch.float16}.get(name, torch.uint8)
-
-
-# ---------------------------------------------------------------- sampler
-
-class TokenBudgetSampler:
-    """Length-grouped batches of indices whose padded size (max length x count) fits `token_budget`.
-
-    Each epoch: a seeded permutation, cut into pools of `pool_batches` x (budget / mean length)
-    samples, sorted by length inside a pool and packed greedily, then the batch order is
-    shuffled. The same (seed, epoch) gives the same batches. A sample longer than the budget
-    forms a batch of its own. With `world_size` > 1 every rank gets the same number of
-    batches (the remainder is dropped). `state_dict()` / `load_state_dict()` resume mid-epoch.
-    """
-
-    def __init__(self, lengths: Sequence[int], token_budget: int, shuffle: bool = True, seed: int = 0,
-                 rank: int = 0, world_size: int = 1, pool_batches: int = 32):
-        if token_budget < 1:
-            raise ValueError(f"token_budget must be >= 1, got {token_budget}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
-        self.lengths = [int(x) for x in lengths]
-        self.token_budget = token_budget
-        self.shuffle = shuffle
-        self.seed = seed
-        self.rank, self.world_size = rank, world_size
-        self.pool_batches = pool_batches
-        self.epoch = 0
-        self.position = 0  # batches of this epoch already yielded (for this rank)
-
-    def batches(self, epoch: int) -> list[list[int]]:
-        """All batches of `epoch` for this rank."""
-        n = len(self.lengths)
-        order = list(range(n))
-        rng = random.Random(self.seed * 1_000_003 + epoch)
-        if self.shuffle:
-            rng.shuffle(order)
-        mean = max(1.0, sum(self.lengths) / max(n, 1))
-        pool = max(1, self.pool_batches * math.ceil(self.token_budget / mean))
-        batches: list[list[int]] = []
-        for p in range(0, n, pool):
-            chunk = sorted(order[p : p + pool], key=lambda i: self.lengths[i])
-            cur: list[int] = []
-            longest = 0
-            for i in chunk:
-                L = self.lengths[i]
-                if cur and max(longest, L) * (len(cur) + 1) > self.token_budget:
-                    batches.append(cur)
-                    cur, longest = [], 0
-                cur.append(i)
-                longest = max(longest, L)
-            if cur:
-                batches.append(cur)
-        if self.shuffle:
-            rng.shuffle(batches)
-        usable = len(batches) - len(batches) % self.world_size
-        return batches[self.rank : usable : self.world_size]
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch, self.position = epoch, 0
-
-    def __len__(self) -> int:
-        return len(self.batches(self.epoch))
-
-    def __iter__(self) -> Iterator[list[int]]:
-        batches = self.batches(self.epoch)
-        while self.position < len(batches):
-            b = batches[self.position]
-            self.position += 1
-            yield b
-        self.epoch, self.position = self.epoch + 1, 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-                "token_budget": self.token_budget, "num_samples": len(self.lengths)}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        if state["num_samples"] != len(self.lengths) or state["token_budget"] != self.token_budget \
-                or state["seed"] != self.seed:
-            raise ValueError(f"sampler state {state} does not match this dataset / budget / seed; cannot resume")
-        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -18,6 +18,7 @@ from typing import Any
 
 import eyas
 from eyas.host import machine
+from eyas.io import atomic_write_text
 
 MANIFEST = "manifest.json"
 
@@ -31,17 +32,6 @@ def _git_commit() -> str | None:  # once per process: manifests are rewritten af
         return out.stdout.strip() or None
     except (OSError, subprocess.TimeoutExpired):
         return None
-
-
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def write_manifest(directory: str | os.PathLike, stage: str, config: Any = None, **fields: Any) -> dict[str, Any]:

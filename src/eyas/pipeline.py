@@ -35,14 +35,14 @@ def _stage(timings: dict[str, float], name: str):
 
 
 def _train(cfg: Recipe, nproc: int) -> None:
-    """Train in-process (1 rank) or under torchrun (N ranks) with the same config."""
+    """Train in-process (1 rank) or under torchrun (N ranks) with the same train and eval sections."""
     if nproc <= 1:
-        from eyas.train import train
+        from eyas.serve_eval import train_with_serve_eval
 
-        train(cfg.train)
+        train_with_serve_eval(cfg.train, cfg.eval)
         return
-    t = cfg.train
-    overrides = [f"train.{k}={json.dumps(v) if isinstance(v, list) else v}" for k, v in to_dict(t).items()]
+    overrides = [f"{sec}.{k}={json.dumps(v) if isinstance(v, list) else v}"
+                 for sec in ("train", "eval") for k, v in to_dict(getattr(cfg, sec)).items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "eyas", "train", *overrides]
     subprocess.run(cmd, check=True)
@@ -95,7 +95,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
     with _stage(timings, "train"):
         t = cfg.train
         t.target, t.features, t.out = str(serve_target), str(out / "features"), str(out / "train")
-        t.eval_prompts = t.eval_prompts or str(eval_prompts)
+        cfg.eval.target, cfg.eval.prompts = str(serve_target), str(eval_prompts)  # serve-eval measures with eval.*
         _train(cfg, cfg.run.nproc)
 
     with _stage(timings, "export"):
@@ -109,7 +109,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
         from eyas.evaluate import evaluate
 
         v = cfg.eval
-        v.target, v.draft, v.prompts, v.out = str(serve_target), str(draft), str(eval_prompts), str(out / "eval.json")
+        v.draft, v.out = str(draft), str(out / "eval.json")
         report["eval"] = evaluate(v)
 
     with _stage(timings, "bench"):
@@ -123,7 +123,6 @@ def run(cfg: Recipe) -> dict[str, Any]:
 
     from eyas.export import serve_command
     from eyas.report import write_report
-
     from eyas.serve_eval import read_records
 
     report["serve_eval"] = read_records(out / "train")

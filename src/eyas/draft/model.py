@@ -24,7 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ARCH = "LlamaForCausalLMEagle3"
+from eyas.draft.contract import ARCH
+from eyas.draft.unroll import unroll
+from eyas.target import text_config
+
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,7 @@ class DraftSpec:
         norm_before_fc: bool = False,
     ) -> DraftSpec:
         """Sizes from a transformers config of the target (dense or MoE)."""
-        tcfg = getattr(tcfg, "text_config", None) or tcfg
+        tcfg = text_config(tcfg)
         ids = tuple(int(i) for i in layer_ids)
         L = int(tcfg.num_hidden_layers)
         if list(ids) != sorted(set(ids)) or not ids or ids[0] < 0 or ids[-1] > L:
@@ -272,10 +275,8 @@ class Eagle3Draft(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, aux: torch.Tensor, row_masks: list[torch.Tensor]
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The training forward: the TTT unroll (`eyas.draft.ttt.unroll`). Under FSDP2 the
+        """The training forward: the TTT unroll (`eyas.draft.unroll`). Under FSDP2 the
         parameters are gathered for the whole call, so the unroll may use every piece below."""
-        from eyas.draft.ttt import unroll
-
         return unroll(self, input_ids, aux, row_masks)
 
     # ---- the pieces around attention --------------------------------------------------

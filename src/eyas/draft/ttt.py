@@ -16,14 +16,13 @@ through the target's lm_head) restricted to the draft vocab and renormalized.
 
 from __future__ import annotations
 
-import json
-import os
+import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
+
+from eyas.draft.unroll import shift_left
 
 if TYPE_CHECKING:
     from eyas.draft.model import Eagle3Draft
@@ -33,51 +32,12 @@ if TYPE_CHECKING:
 # the frozen target side: lm_head (soft labels, top-1) and token embeddings
 
 
-def load_target_head(target_dir: str | os.PathLike) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(embed [V, H], lm_head [V, H], config dict) read straight from the target's safetensors."""
-    from safetensors import safe_open
-
-    d = Path(target_dir)
-    cfg = json.loads((d / "config.json").read_text())
-    tcfg = cfg.get("text_config") or cfg
-    index = d / "model.safetensors.index.json"
-    if index.exists():
-        where = json.loads(index.read_text())["weight_map"]
-    else:
-        files = sorted(d.glob("*.safetensors"))
-        if not files:
-            raise ValueError(f"{d}: no *.safetensors weights (eyas reads the target's lm_head and embeddings from them)")
-        where = {}
-        for f in files:
-            with safe_open(f, "pt") as sf:
-                where.update({k: f.name for k in sf.keys()})
-
-    def pick(suffix: str) -> str | None:
-        names = sorted((k for k in where if k.endswith(suffix)), key=len)  # the shortest: the language model's
-        return names[0] if names else None
-
-    def read(name: str) -> torch.Tensor:
-        with safe_open(d / where[name], "pt") as sf:
-            return sf.get_tensor(name)
-
-    emb_name = pick("embed_tokens.weight")
-    if emb_name is None:
-        raise ValueError(f"{d}: no '*embed_tokens.weight' tensor in the safetensors")
-    embed = read(emb_name)
-    head_name = pick("lm_head.weight")
-    tied = bool(tcfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
-    lm_head = embed if (tied or head_name is None) else read(head_name)
-    V = int(tcfg["vocab_size"])
-    if embed.shape[0] < V or lm_head.shape[0] < V:
-        raise ValueError(f"{d}: embeddings {tuple(embed.shape)} / lm_head {tuple(lm_head.shape)} smaller than vocab {V}")
-    return embed[:V], lm_head[:V], tcfg
-
-
 class TargetHead:
     """Frozen target lm_head: soft labels over the draft vocab and the full-vocab top-1."""
 
     def __init__(self, lm_head: torch.Tensor, draft_ids: torch.Tensor, softcap: float | None = None,
-                 logit_scale: float = 1.0, chunk_rows: int = 0):
+                 logit_scale: float = 1.0, chunk_rows: int = 0, timed: bool = False):
+        self.timed, self.seconds = timed, 0.0  # timed: `seconds` sums the wall time of `labels` (benchmarks)
         self.weight = lm_head.detach()  # [V, H]
         self.draft_ids = draft_ids.to(lm_head.device)  # [Vd]
         self.weight_d = self.weight[self.draft_ids]  # [Vd, H]
@@ -90,7 +50,7 @@ class TargetHead:
 
     def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> TargetHead:
         w = self.weight.to(device=device, dtype=dtype or self.weight.dtype)
-        return TargetHead(w, self.draft_ids.to(device), self.softcap, self.scale, self.chunk_rows)
+        return TargetHead(w, self.draft_ids.to(device), self.softcap, self.scale, self.chunk_rows, self.timed)
 
     def _post(self, logits: torch.Tensor) -> torch.Tensor:
         logits = logits.float() * self.scale
@@ -103,6 +63,17 @@ class TargetHead:
         """last [R, H] (final normed target states) -> (q [R, Vd] fp32 probs over the draft vocab,
         top [R] int64 target ids of the target's full-vocab argmax, or None without `top1`: the
         full-vocab product is most of this call's cost)."""
+        if not self.timed:
+            return self._labels(last, top1)
+        sync = torch.cuda.synchronize if last.is_cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        out = self._labels(last, top1)
+        sync()
+        self.seconds += time.perf_counter() - t0
+        return out
+
+    def _labels(self, last: torch.Tensor, top1: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         x = last.to(self.weight.dtype)
         q = torch.softmax(self._post(x @ self.weight_d.T), dim=-1)
         if not top1:
@@ -112,68 +83,6 @@ class TargetHead:
         for s in range(0, x.shape[0], self.chunk_rows):
             top[s : s + self.chunk_rows] = (x[s : s + self.chunk_rows] @ self.weight.T).argmax(-1)
         return q, top
-
-
-# ---------------------------------------------------------------------------------------------
-# the unroll
-
-
-def shift_left(x: torch.Tensor, n: int, fill: int | bool = 0) -> torch.Tensor:
-    """[B, T] -> out[:, p] = x[:, p + n] (fill past the end)."""
-    if n == 0:
-        return x
-    out = torch.full_like(x, fill)
-    if n < x.shape[1]:
-        out[:, : x.shape[1] - n] = x[:, n:]
-    return out
-
-
-def ttt_mask(T: int, step: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[T, (step+1)*T] bool: causal over the step-0 keys, then one diagonal per later step."""
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    eye = torch.eye(T, dtype=torch.bool, device=device)
-    return torch.cat([causal] + [eye] * step, dim=1)
-
-
-def attend(q: torch.Tensor, ks: list[torch.Tensor], vs: list[torch.Tensor],
-           mask: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, nh, T, D]; ks/vs: step 0..i keys/values [B, nkv, T, D] -> [B, nh, T, D].
-    mask: `ttt_mask(T, j)` for any j >= i (its first (i+1)T columns are step i's); built here if None."""
-    T, i = q.shape[2], len(ks) - 1
-    k, v = torch.cat(ks, dim=2), torch.cat(vs, dim=2)  # [B, nkv, (i+1)T, D]
-    gqa = ks[0].shape[1] != q.shape[1]
-    if i == 0:  # step 0: plain causal attention (the kernel skips the masked blocks)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    # Dense over the (i+1)T keys: i diagonal blocks cost (i+1)x a causal pass. Fine for chat-length
-    # sequences; for long ones a block-sparse kernel (flex_attention) or an LSE merge would skip them.
-    mask = ttt_mask(T, i, q.device) if mask is None else mask[:, : (i + 1) * T]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-def unroll(
-    model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.Tensor, row_masks: list[torch.Tensor]
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Run len(row_masks) TTT steps over right-padded sequences.
-
-    input_ids [B, T]; aux [B, T, n_aux*H_t]; row_masks[i] [B, T] bool selects the indices whose
-    step-i logits are wanted. Returns (logits per step [n_i, Vd], pre-norm outputs per step [B, T, H]).
-    """
-    B, T = input_ids.shape
-    pos = torch.arange(T, device=input_ids.device).expand(B, T)
-    hidden = model.combine_hidden_states(aux)  # [B, T, H]
-    mask = ttt_mask(T, len(row_masks) - 1, input_ids.device)  # one mask for every step
-    ks: list[torch.Tensor] = []
-    vs: list[torch.Tensor] = []
-    logits, prenorms = [], []
-    for i, rows in enumerate(row_masks):
-        q, k, v, residual = model.qkv(shift_left(input_ids, 1 + i), hidden, pos + i)
-        ks.append(k)
-        vs.append(v)
-        pre = model.after_attention(attend(q, ks, vs, mask), residual)  # [B, T, H]
-        logits.append(model.compute_logits(pre[rows]))  # [n_i, Vd]
-        prenorms.append(pre)
-        hidden = model.feedback(pre)
-    return logits, prenorms
 
 
 # ---------------------------------------------------------------------------------------------

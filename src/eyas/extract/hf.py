@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from eyas.extract import Extractor
+from eyas.extract.base import Extractor
+from eyas.packing import pack_by_length
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -26,19 +27,6 @@ def decoder_layers(model) -> tuple[torch.nn.Module, torch.nn.ModuleList]:
     if not isinstance(layers, torch.nn.ModuleList):
         raise ValueError(f"{type(model).__name__}: cannot find the decoder layers (expected `.model.layers`)")
     return decoder, layers
-
-
-def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
-    """Indices grouped by ascending length so that longest x count <= batch_tokens (a longer one alone)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    batches, cur, longest = [], [], 0
-    for i in order:
-        if cur and max(longest, lengths[i]) * (len(cur) + 1) > batch_tokens:
-            batches.append(cur)
-            cur, longest = [], 0
-        cur.append(i)
-        longest = max(longest, lengths[i])
-    return batches + ([cur] if cur else [])
 
 
 def pad_batch(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,7 +76,7 @@ class HFExtractor(Extractor):
     def _forward(self, input_ids: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         lengths = [int(x.shape[0]) for x in input_ids]
         out: list[Any] = [None] * len(input_ids)
-        for batch in length_batches(lengths, self.batch_tokens):
+        for batch in pack_by_length(lengths, self.batch_tokens):
             ids, attn = pad_batch([input_ids[i] for i in batch], self.pad_id)
             self._captured.clear()
             res = self.decoder(input_ids=ids.to(self.device), attention_mask=attn.to(self.device), use_cache=False)

@@ -33,7 +33,6 @@ import collections
 import json
 import os
 import socket
-import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -362,9 +361,11 @@ def _parse_shard(shard: str) -> tuple[int, int]:
 
 def run_producer(cfg) -> int:
     """`eyas extract --mode streaming --connect ADDR...`: extract and push until done or stopped."""
-    from eyas.extract import BACKENDS, Renderer, extractor_from_config, read_conversations, resolve_layer_ids, \
-        target_facts
+    from eyas.extract.backends import extractor_from_config
+    from eyas.config import check_choices
+    from eyas.extract.base import Renderer, read_conversations
     from eyas.models import resolve_target
+    from eyas.target import facts as target_facts, resolve_layer_ids
 
     if not cfg.connect:
         raise ValueError("streaming mode needs --connect tcp://HOST:PORT (a StreamConsumer's address)")
@@ -373,8 +374,7 @@ def run_producer(cfg) -> int:
     extractor = None
     t0, ntok, epoch = time.time(), 0, 0
     try:  # from here on every failure reaches the consumers as ERROR
-        if cfg.backend not in BACKENDS:
-            raise ValueError(f"unknown backend {cfg.backend!r}: {' | '.join(BACKENDS)}")
+        check_choices(cfg, "extract")
         target = resolve_target(cfg.target)
         facts = target_facts(target)
         producer.hello({"backend": cfg.backend, "target": str(target), "hidden_size": facts["hidden_size"],
@@ -418,14 +418,3 @@ def run_producer(cfg) -> int:
         if extractor is not None:
             extractor.close()
         producer.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from eyas.cli import main as eyas_main
-
-    args = list(sys.argv[1:] if argv is None else argv)
-    return eyas_main(["extract", "--mode", "streaming", *args])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -26,7 +26,6 @@ mapped back by id.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 import shutil
 import tempfile
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from eyas.extract import Extractor
+from eyas.extract.base import Extractor
 
 CONNECTOR = "EyasHiddenStatesConnector"
 CONNECTOR_MODULE = "eyas.extract.connector"
@@ -44,7 +43,7 @@ CONNECTOR_MODULE = "eyas.extract.connector"
 
 def vllm_cpu_unsupported_reason(target: str | os.PathLike) -> str | None:
     """Why vLLM's CPU attention cannot run `target` (head size), or None when it can / not on CPU."""
-    from transformers import AutoConfig
+    from eyas.target import text_config
 
     try:
         from vllm.platforms import current_platform
@@ -54,7 +53,7 @@ def vllm_cpu_unsupported_reason(target: str | os.PathLike) -> str | None:
         sizes = CPUAttentionBackend.get_supported_head_sizes()
     except Exception:  # noqa: BLE001 - an older/newer layout: let vLLM decide
         return None
-    cfg = AutoConfig.from_pretrained(str(target)).get_text_config()
+    cfg = text_config(target)
     head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     if head not in sizes:
         return f"vLLM CPU attention supports head sizes {sizes}; {Path(target).name} has head_dim {head}"
@@ -63,10 +62,10 @@ def vllm_cpu_unsupported_reason(target: str | os.PathLike) -> str | None:
 
 def load_final_norm(target: str | os.PathLike) -> torch.nn.Module:
     """The target's final norm (HF class, checkpoint weights), fp32, without loading the model."""
-    from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eyas.extract.hf import decoder_layers
+    from eyas.target import read_tensor, weight_map
 
     cfg = AutoConfig.from_pretrained(str(target))
     with torch.device("meta"):
@@ -76,19 +75,13 @@ def load_final_norm(target: str | os.PathLike) -> torch.nn.Module:
     if norm is None:
         raise ValueError(f"{target}: the decoder has no final `norm`; cannot derive last_hidden_states from vLLM")
     prefix = next(name for name, mod in model.named_modules() if mod is norm)
-    target = Path(target)
-    index = target / "model.safetensors.index.json"
-    weight_map = json.loads(index.read_text())["weight_map"] if index.exists() else None
+    where = weight_map(target)
     state = {}
     for pname, _ in norm.named_parameters():
         key = f"{prefix}.{pname}"
-        fname = weight_map.get(key) if weight_map else "model.safetensors"
-        if fname is None or not (target / fname).exists():
+        if key not in where:
             raise ValueError(f"{target}: checkpoint tensor {key!r} not found; cannot load the final norm")
-        with safe_open(str(target / fname), framework="pt") as f:
-            if key not in f.keys():
-                raise ValueError(f"{target}/{fname}: no tensor {key!r}; cannot load the final norm")
-            state[pname] = f.get_tensor(key)
+        state[pname] = read_tensor(target, key, where)
     norm = norm.to_empty(device="cpu")
     norm.load_state_dict(state, strict=False)
     return norm.float().eval()

@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eyas.config import QuantizeConfig, RunConfig
 from eyas.manifest import read_manifest, tokenizer_hash, write_manifest
 from eyas.quant import mxfp4
 
@@ -131,7 +132,7 @@ def _prepare_out(out: Path, plan: dict[str, Any]) -> bool:
     return man.get("plan") == plan
 
 
-def quantize_model(cfg, log=print) -> dict[str, Any]:
+def quantize_model(cfg: QuantizeConfig, log=print) -> dict[str, Any]:
     """Quantize `cfg.model` (a QuantizeConfig) into `cfg.out`; returns its manifest (`out`, `emulated`, counts)."""
     from eyas.models import resolve_target
 
@@ -229,12 +230,12 @@ def quantize_model(cfg, log=print) -> dict[str, Any]:
     return write_manifest(out, "quantize", cfg, complete=True, **fields)
 
 
-def cli_main(cfg, actions: list[str]) -> int:
+def cli(q: QuantizeConfig, actions: list[str], run: RunConfig) -> int:
     if actions:
         raise ValueError(f"eyas quantize takes no actions, got {actions}; usage: eyas quantize --model DIR --out Q")
-    if not cfg.quantize.model:
+    if not q.model:
         raise ValueError("no model: pass --model NAME|DIR")
-    man = quantize_model(cfg.quantize, log=lambda m: print(m, file=sys.stderr))
+    man = quantize_model(q, log=lambda m: print(m, file=sys.stderr))
     print(
         f"{man['out']}: {man['tensors']['quantize']} tensors MXFP4, {man['bytes_in'] / 2**20:.1f} MiB -> "
         f"{man['bytes_out'] / 2**20:.1f} MiB in {man['seconds']}s"

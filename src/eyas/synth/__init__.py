@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import sys
 import time
 import zlib
@@ -33,8 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.config import SynthConfig
-from eyas.data.store import append_jsonl
+from eyas.config import RunConfig, SynthConfig
+from eyas.io import append_jsonl, scan_jsonl
 from eyas.synth.engines import Completion, EndpointEngine, EngineError, Request, Sampling
 
 OUT_FILE, SKIP_FILE = "conversations.jsonl", "skipped.jsonl"
@@ -114,31 +113,6 @@ def load_prompts(path: str, limit: int, turns: str) -> tuple[list[Conv], Counter
                 continue
             convs.append(Conv(rec, plan_points(rec["messages"], turns)))
     return convs, skipped
-
-
-def scan_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSONL file this stage appends to; a torn last line (a kill mid-write) is cut off."""
-    recs: list[dict[str, Any]] = []
-    if not path.exists():
-        return recs
-    good = 0
-    with open(path, "rb") as f:
-        for line in f:
-            try:
-                rec = json.loads(line) if line.endswith(b"\n") else None
-            except json.JSONDecodeError:
-                rec = None
-            if rec is None:
-                if f.read().strip():
-                    raise ValueError(f"{path}: corrupt line at byte {good}, not at the end; delete the file to redo")
-                break
-            good += len(line)
-            recs.append(rec)
-    if good < path.stat().st_size:
-        print(f"eyas synth: {path}: cutting off a partial last line ({path.stat().st_size - good} bytes) "
-              "left by an interrupted run", file=sys.stderr)
-        os.truncate(path, good)
-    return recs
 
 
 @contextlib.contextmanager
@@ -250,7 +224,7 @@ def synthesize(cfg: SynthConfig, engine=None) -> Path:
         return out
 
     convs, input_skips = load_prompts(cfg.prompts, cfg.limit, cfg.turns)
-    done = {str(r["id"]) for r in scan_jsonl(out / OUT_FILE)} | {str(r["id"]) for r in scan_jsonl(out / SKIP_FILE)}
+    done = {str(r["id"]) for r in scan_jsonl(out / OUT_FILE, "eyas synth")} | {str(r["id"]) for r in scan_jsonl(out / SKIP_FILE, "eyas synth")}
     todo = [c for c in convs if c.id not in done]
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
     common = dict(key=key, target=str(target), chat_template_hash=key["chat_template_hash"],
@@ -294,8 +268,8 @@ def synthesize(cfg: SynthConfig, engine=None) -> Path:
                 engine_err = e
             stats["gen_s"] = time.monotonic() - t_gen
 
-    rows = scan_jsonl(out / OUT_FILE)
-    gen_skips = Counter(r["reason"] for r in scan_jsonl(out / SKIP_FILE))
+    rows = scan_jsonl(out / OUT_FILE, "eyas synth")
+    gen_skips = Counter(r["reason"] for r in scan_jsonl(out / SKIP_FILE, "eyas synth"))
     finish = Counter(f for r in rows for f in r["meta"]["finish_reasons"])
     pending = len(convs) - len(rows) - sum(gen_skips.values()) - sum(failed.values())
     tps = stats["tokens"] / stats["gen_s"] if stats["gen_s"] else None
@@ -323,12 +297,12 @@ def synthesize(cfg: SynthConfig, engine=None) -> Path:
     return out
 
 
-def cli(cfg, actions: list[str]) -> int:
+def cli(s: SynthConfig, actions: list[str], run: RunConfig) -> int:
     """`eyas synth --target DIR|NAME --prompts IN.jsonl --out DIR [...]`."""
     if actions:
         raise ValueError(f"eyas synth takes no actions, got {actions}")
     try:
-        synthesize(cfg.synth)
+        synthesize(s)
     except EngineError as e:
         print(f"eyas synth: error: {e}\n(what was written so far is kept; re-run to resume)", file=sys.stderr)
         return 1

@@ -4,8 +4,9 @@
     torchrun --nproc_per_node N -m eyas train ...
 
 Components (torchtitan-like): `parallel` (process group, FSDP2), `data` (sources, global
-micro-batch order), `checkpoint` (DCP, atomic, resharding resume, `load_draft_state`),
-`metrics` (per-position accuracy, estimated AL), `loop` (the loop), `bench` (tokens/s).
+micro-batch order), `checkpoint` (DCP, atomic, resharding resume), `metrics` (per-position
+accuracy, estimated AL), `loop` (`Trainer`: build, step, save, fit; a checkpoint callback
+it is handed: `eyas train` passes serve-eval's, `eyas.serve_eval.checkpoint_callback`).
 """
 
 from __future__ import annotations
@@ -13,22 +14,15 @@ from __future__ import annotations
 import json
 import os
 
+from eyas.train.loop import train
 
-def train(cfg):
-    """Train with a TrainConfig; returns the summary dict (see `eyas.train.loop.train`)."""
-    from eyas.train.loop import train as _train
-
-    return _train(cfg)
+__all__ = ["print_summary", "train"]
 
 
-def cli(cfg, actions: list[str]) -> int:
-    """`eyas train [--flags]`: cfg is the Recipe, cfg.train the TrainConfig."""
-    if actions:
-        raise ValueError(f"eyas train takes no actions, got {actions} (use --flags or train.key=value)")
-    summary = train(cfg.train)
-    if int(os.environ.get("RANK", "0")) == 0:  # the process group is gone by now; print once
+def print_summary(summary: dict) -> None:
+    """The run's summary as one JSON line on stdout, once (rank 0; the process group is gone by now)."""
+    if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps({k: v for k, v in summary.items() if k != "last"} | {"last": _brief(summary.get("last"))}))
-    return 0
 
 
 def _brief(rec):

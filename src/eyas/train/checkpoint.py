@@ -5,12 +5,12 @@
         trainer.json         step, data position (global), schedule, world size that wrote it
         rng/rank_R.pt        RNG states per rank
         draft.json           draft config.json dict, layer ids, draft vocab info, target path
-    RUN/checkpoints/latest   the name of the newest complete checkpoint ("step_N")
+    RUN/checkpoints/latest   the name of the newest complete checkpoint ("step_N"; names: eyas.checkpoints)
 
 Every rank writes its DCP shards into `.tmp_step_N/`; rank 0 adds the JSON files and
 renames the directory, then updates `latest`, so a kill never leaves a checkpoint that
-looks complete. `load_draft_state(ckpt)` reads the model back as full CPU tensors with
-vLLM's names (what export needs), with or without a process group.
+looks complete. Readers (export, serve-eval) take the draft weights back with
+`eyas.checkpoints.load_draft_state`, with or without a process group.
 """
 
 from __future__ import annotations
@@ -18,33 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.manifest import atomic_write_text
-
-CKPT_DIR = "checkpoints"
-LATEST = "latest"
-
-
-def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
-    return Path(run_dir) / CKPT_DIR
-
-
-def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
-    """The checkpoint `latest` names, or the highest complete step_N, or None."""
-    ck = checkpoints_dir(run_dir)
-    p = ck / LATEST
-    if p.is_file():
-        cand = ck / p.read_text().strip()
-        if (cand / "trainer.json").exists():
-            return cand
-    steps = sorted((int(d.name[5:]), d) for d in ck.glob("step_*") if d.name[5:].isdigit() and (d / "trainer.json").exists())
-    return steps[-1][1] if steps else None
-
+from eyas.checkpoints import checkpoints_dir, mark_latest, step_name
 
 def _save_rng_state(path: Path) -> None:
     """This rank's torch / numpy / python (/ cuda) RNG states as safetensors (no pickle)."""
@@ -94,7 +73,7 @@ def save_checkpoint(
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     ck = checkpoints_dir(run_dir)
-    final, tmp = ck / f"step_{step}", ck / f".tmp_step_{step}"
+    final, tmp = ck / step_name(step), ck / f".tmp_{step_name(step)}"
     if rank == 0:
         ck.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -114,7 +93,7 @@ def save_checkpoint(
         if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
             shutil.rmtree(final)
         os.replace(tmp, final)
-        atomic_write_text(ck / LATEST, final.name + "\n")
+        mark_latest(run_dir, final)
     if world > 1:
         dist.barrier()
     return final
@@ -137,27 +116,3 @@ def load_checkpoint(
     if rng.exists() and trainer.get("world_size") is not None:
         _load_rng_state(rng)
     return trainer
-
-
-def load_draft_state(ckpt_dir: str | os.PathLike) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(state_dict full on CPU with vLLM's names incl. d2t / t2d / embed_tokens, meta from draft.json).
-
-    Reads only the model part of the DCP checkpoint, without collectives (safe to call on
-    one rank while the others wait)."""
-    import torch.distributed.checkpoint as dcp
-
-    from eyas.draft.model import DraftSpec, Eagle3Draft
-
-    ckpt_dir = Path(ckpt_dir)
-    meta_path = ckpt_dir / "draft.json"
-    if not meta_path.exists():
-        raise ValueError(f"{ckpt_dir}: no draft.json (not an eyas training checkpoint, or an unfinished one)")
-    meta = json.loads(meta_path.read_text())
-    spec = DraftSpec.from_draft_config(meta["draft_config"])
-    with torch.device("meta"):
-        shell = Eagle3Draft(spec)
-    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in shell.state_dict().items()}
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": state}, checkpoint_id=str(ckpt_dir / "dcp"), no_dist=True)
-    return state, meta

@@ -10,7 +10,7 @@ Sources (`train.source`) all yield the extraction dict
              consumer (`eyas.extract.stream.open_consumer`), batched in arrival order.
 
 For the indexed sources the micro-batch plan of an epoch depends only on (lengths,
-token budget, seed, epoch) (`eyas.features.TokenBudgetSampler` with one rank: the global
+token budget, seed, epoch) (`eyas.packing.plan_epoch`: the global
 order). An optimizer step consumes world x grad_accum consecutive micro-batches of that
 global order; rank r takes micro-batches base + a*world + r. The position saved in a
 checkpoint is global (epoch, index), so a run resumes on any number of ranks without
@@ -28,14 +28,16 @@ from typing import Any
 
 import torch
 
+from eyas.config import TrainConfig, choices
 from eyas.draft.ttt import Batch
+from eyas.packing import pack_by_length, plan_epoch
 
 
 # ---------------------------------------------------------------------------------------------
 # collate
 
 
-LOSS_TOKENS = ("assistant", "all")  # train.loss_tokens
+LOSS_TOKENS = choices(TrainConfig, "loss_tokens")
 
 
 def collate(items: list[dict[str, Any]], max_len: int, loss_tokens: str = "assistant") -> Batch:
@@ -201,11 +203,9 @@ class GlobalBatches:
     """Deterministic global micro-batch order over an indexed source; rank slices per step."""
 
     def __init__(self, lengths: list[int], token_budget: int, seed: int):
-        from eyas.features import TokenBudgetSampler
-
         if not lengths:
             raise ValueError("no samples to train on")
-        self.sampler = TokenBudgetSampler(lengths, token_budget, shuffle=True, seed=seed)
+        self.lengths, self.token_budget, self.seed = list(lengths), token_budget, seed
         self.fingerprint = {"num_samples": len(lengths), "num_tokens": int(sum(lengths)),
                             "token_budget": token_budget, "seed": seed}
         self.pos = Position()
@@ -213,7 +213,7 @@ class GlobalBatches:
 
     def plan(self, epoch: int) -> list[list[int]]:
         if epoch not in self._plans:
-            self._plans = {epoch: self.sampler.batches(epoch)}  # keep one epoch in memory
+            self._plans = {epoch: plan_epoch(self.lengths, self.token_budget, self.seed, epoch)}  # one epoch in memory
         return self._plans[epoch]
 
     def take(self, n: int) -> list[list[int]]:
@@ -271,17 +271,9 @@ class StreamBatches:
                 break
         if not got:
             raise StreamEnded("the stream ended")
-        got.sort(key=lambda s: int(s["input_ids"].shape[0]))
-        cur: list[dict[str, Any]] = []
-        longest = 0
-        for s in got:
-            L = min(int(s["input_ids"].shape[0]), self.max_len)
-            if cur and max(longest, L) * (len(cur) + 1) > self.budget:
-                self.buffer.append(cur)
-                cur, longest = [], 0
-            cur.append(s)
-            longest = max(longest, L)
-        self.buffer.append(cur)
+        order = sorted(range(len(got)), key=lambda i: int(got[i]["input_ids"].shape[0]))
+        lengths = [min(int(s["input_ids"].shape[0]), self.max_len) for s in got]
+        self.buffer += [[got[i] for i in b] for b in pack_by_length(lengths, self.budget, order)]
 
     def next_items(self) -> list[dict[str, Any]]:
         if not self.buffer:
@@ -305,10 +297,8 @@ class StreamSource:
     kind = "streaming"
 
     def __init__(self, address: str, rank: int, max_len: int, token_budget: int):
-        try:
-            from eyas.extract.stream import open_consumer
-        except ModuleNotFoundError as e:
-            raise ValueError(f"train.source=streaming needs eyas.extract.stream ({e})") from None
+        from eyas.extract.stream import open_consumer
+
         self.address = address
         self.consumer = open_consumer(address, rank)
         info = self.consumer.wait_ready()

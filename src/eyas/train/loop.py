@@ -1,4 +1,4 @@
-"""The training loop: build everything, resume, step, log, checkpoint, serve-eval.
+"""The training loop: build everything, resume, step, log, checkpoint, hand each checkpoint to a callback.
 
 One optimizer step = world x grad_accum micro-batches of the global order (see
 `eyas.train.data`); each micro-batch loss is the TTT loss (a mean over its loss tokens),
@@ -9,21 +9,23 @@ its micro-batches whatever the split between ranks and accumulation.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import math
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.config import TrainConfig
+from eyas.config import TrainConfig, check_choices
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.train import parallel as P
-from eyas.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from eyas.train.data import LOSS_TOKENS
+from eyas.checkpoints import latest_checkpoint
+from eyas.manifest import write_manifest
+from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 from eyas.train.metrics import MetricsLogger, format_line, summarize
 
 
@@ -63,10 +65,7 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("token_budget and max_len must be >= 8")
     if not 0 < cfg.position_decay <= 1:
         raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
-    if cfg.loss_tokens not in LOSS_TOKENS:
-        raise ValueError(f"unknown train.loss_tokens {cfg.loss_tokens!r}: {' | '.join(LOSS_TOKENS)}")
-    if cfg.source not in ("offline", "online", "streaming"):
-        raise ValueError(f"unknown train.source {cfg.source!r}: offline | online | streaming")
+    check_choices(cfg, "train")
 
 
 def build_vocab(cfg: TrainConfig, src, vocab_size: int, d: P.Dist):
@@ -105,186 +104,263 @@ def on_main(fn, d: P.Dist):
     return out
 
 
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run (or resume) training; returns the final summary. Works under torchrun or alone."""
+# (checkpoint dir, step, the trainer's estimated AL or None) -> a record to log (or None). Runs on rank 0
+# while the other ranks wait; `eyas train` builds it from the recipe's eval section (eyas.serve_eval).
+CheckpointCallback = Callable[[Path, int, "float | None"], "dict[str, Any] | None"]
+
+
+def train(cfg: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> dict[str, Any]:
+    """Run (or resume) training; returns the final summary. Works under torchrun or alone.
+
+    on_checkpoint: called (rank 0) after every checkpoint due for evaluation (`train.eval_every`
+    and the last one); its record's `acceptance_length` goes to TensorBoard."""
     check_config(cfg)
     d = P.init_distributed()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, d)
+        trainer = Trainer(cfg, d, on_checkpoint)
+        if trainer.done is not None:
+            return trainer.done
+        try:
+            return trainer.fit()
+        finally:
+            trainer.close()
     finally:
         P.destroy(d)
 
 
-def _train(cfg: TrainConfig, d: P.Dist) -> dict[str, Any]:
-    from transformers import AutoConfig
+@dataclass
+class Draft:
+    """What one optimizer step needs: the draft, its optimizer and schedule, the frozen target head."""
 
-    from eyas.models import resolve_target
-    from eyas.train.data import open_data
-
-    run_dir = Path(cfg.out)
-    precision = P.resolve_precision(cfg.precision, d.device)
-    # ---- resume or not
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is not None:
-        done = json.loads((ckpt / "trainer.json").read_text())["step"]
-        if done >= cfg.max_steps:
-            _log(f"{run_dir} already holds {ckpt.name} (>= max_steps {cfg.max_steps}); nothing to do", d)
-            return {"step": done, "checkpoint": str(ckpt), "skipped": True}
-        if not cfg.resume:
-            raise ValueError(f"{run_dir} holds checkpoints up to {ckpt.name}: pass --resume to continue it, "
-                             "or choose another --out")
-    # ---- target, data, vocab
-    target_dir = on_main(lambda: str(resolve_target(cfg.target).resolve()), d)
-    tcfg = AutoConfig.from_pretrained(target_dir)
-    tcfg = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
-    src, data = open_data(cfg, target_dir, d.rank, device=str(d.device))
-    try:
-        return _train_with(cfg, d, run_dir, precision, ckpt, target_dir, tcfg, src, data)
-    finally:
-        data.close()
+    spec: Any  # DraftSpec
+    model: torch.nn.Module  # Eagle3Draft (FSDP2-wrapped when a process group is given)
+    opt: torch.optim.Optimizer
+    sched: WarmupCosine
+    head: Any  # TargetHead
+    trainable: list[torch.nn.Parameter]
 
 
-def _train_with(cfg, d, run_dir, precision, ckpt, target_dir, tcfg, src, data) -> dict[str, Any]:
-    from eyas.draft.model import DraftSpec, Eagle3Draft, draft_config_dict, spec_dict
-    from eyas.draft.ttt import TargetHead, load_target_head, ttt_loss
-    from eyas.manifest import write_manifest
-    from eyas.train.data import collate
+def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[int], vocab: Any, device: torch.device,
+                precision: str, d: P.Dist | None = None, timed_head: bool = False) -> Draft:
+    """The draft for `target_dir` (embedding copied, deterministic init), AdamW, the lr schedule and the
+    target head, on `device`; sharded with FSDP2 when `d` is given."""
+    from eyas.draft.model import DraftSpec, Eagle3Draft
+    from eyas.draft.ttt import TargetHead
+    from eyas.target import load_head
 
-    if src.hidden_size != tcfg.hidden_size:
-        raise ValueError(f"features hidden size {src.hidden_size} != target hidden size {tcfg.hidden_size}: "
-                         "the features were made with another target")
-    vocab = build_vocab(cfg, src, int(tcfg.vocab_size), d)
-    _log(f"draft vocab {vocab.size} of {vocab.vocab_size}: covers {vocab.coverage:.1%} of "
-         f"{vocab.num_tokens} loss tokens ({vocab.num_seen} distinct ids seen)", d)
-    # ---- model, optimizer, schedule
-    spec = DraftSpec.from_target_config(tcfg, src.layer_ids, vocab.size, fc_norm=cfg.fc_norm)
-    embed, lm_head, tcfg_d = load_target_head(target_dir)
+    spec = DraftSpec.from_target_config(tcfg, layer_ids, vocab.size, fc_norm=cfg.fc_norm)
+    embed, lm_head, tcfg_d = load_head(target_dir)
     model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
     model.init_weights(embed.float(), seed=cfg.seed)
     model.set_vocab(vocab.d2t, vocab.t2d)
-    model.to(d.device)
-    P.apply_fsdp(model, d, precision)
+    model.to(device)
+    if d is not None:
+        P.apply_fsdp(model, d, precision)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
     sched = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps, cfg.min_lr_ratio)
     head_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     head = TargetHead(lm_head, vocab.draft_ids, softcap=tcfg_d.get("final_logit_softcapping"),
-                      logit_scale=float(tcfg_d.get("logit_scale") or 1.0)).to(d.device, head_dtype)
-    del embed, lm_head
-    draft_cfg = draft_config_dict(spec)
-    draft_meta = {"draft_config": draft_cfg, "layer_ids": list(spec.layer_ids), "draft_vocab": vocab.info(),
-                  "target": target_dir, "spec": spec_dict(spec), "source": src.describe(), "precision": precision}
-    start = 0
-    if ckpt is not None:
-        st = load_checkpoint(ckpt, model, opt, d.rank)
-        start = int(st["step"])
-        if st.get("draft_config") not in (None, draft_cfg):
+                      logit_scale=float(tcfg_d.get("logit_scale") or 1.0), timed=timed_head).to(device, head_dtype)
+    return Draft(spec, model, opt, sched, head, trainable)
+
+
+class Trainer:
+    """One run as verbs on its components: built in __init__ (resumed when the run dir holds a
+    checkpoint), then `step` per optimizer step, `save` per checkpoint, `fit` for the loop."""
+
+    def __init__(self, cfg: TrainConfig, d: P.Dist, on_checkpoint: CheckpointCallback | None = None):
+        from eyas.models import resolve_target
+        from eyas.target import text_config
+        from eyas.train.data import open_data
+
+        self.cfg, self.d, self.on_checkpoint = cfg, d, on_checkpoint
+        self.run_dir = Path(cfg.out)
+        self.precision = P.resolve_precision(cfg.precision, d.device)
+        self.done: dict[str, Any] | None = None  # set when the run dir already holds max_steps
+        self.ckpt = latest_checkpoint(self.run_dir)
+        if self.ckpt is not None:
+            step = json.loads((self.ckpt / "trainer.json").read_text())["step"]
+            if step >= cfg.max_steps:
+                _log(f"{self.run_dir} already holds {self.ckpt.name} (>= max_steps {cfg.max_steps}); nothing to do", d)
+                self.done = {"step": step, "checkpoint": str(self.ckpt), "skipped": True}
+                return
+            if not cfg.resume:
+                raise ValueError(f"{self.run_dir} holds checkpoints up to {self.ckpt.name}: pass --resume to continue "
+                                 "it, or choose another --out")
+        self.target_dir = on_main(lambda: str(resolve_target(cfg.target).resolve()), d)
+        tcfg = text_config(self.target_dir)
+        self.src, self.data = open_data(cfg, self.target_dir, d.rank, device=str(d.device))
+        try:
+            self._build(tcfg)
+        except BaseException:
+            self.data.close()
+            raise
+
+    def _build(self, tcfg: Any) -> None:
+        from eyas.draft.model import draft_config_dict, spec_dict
+
+        cfg, d, src = self.cfg, self.d, self.src
+        if src.hidden_size != tcfg.hidden_size:
+            raise ValueError(f"features hidden size {src.hidden_size} != target hidden size {tcfg.hidden_size}: "
+                             "the features were made with another target")
+        self.vocab = build_vocab(cfg, src, int(tcfg.vocab_size), d)
+        _log(f"draft vocab {self.vocab.size} of {self.vocab.vocab_size}: covers {self.vocab.coverage:.1%} of "
+             f"{self.vocab.num_tokens} loss tokens ({self.vocab.num_seen} distinct ids seen)", d)
+        self.draft = build_draft(cfg, self.target_dir, tcfg, src.layer_ids, self.vocab, d.device, self.precision, d)
+        spec = self.draft.spec
+        self.draft_cfg = draft_config_dict(spec)
+        self.draft_meta = {"draft_config": self.draft_cfg, "layer_ids": list(spec.layer_ids),
+                           "draft_vocab": self.vocab.info(), "target": self.target_dir, "spec": spec_dict(spec),
+                           "source": src.describe(), "precision": self.precision}
+        self.start = self._resume() if self.ckpt is not None else 0
+        self.logger = MetricsLogger(self.run_dir, d.is_main, resume_step=self.start)
+        self._manifest(complete=False)
+        _log(f"{d.world} rank(s) on {d.device.type} ({d.backend}), {self.precision}; draft "
+             f"{sum(p.numel() for p in self.draft.trainable):,} trainable params; layers {list(spec.layer_ids)}; "
+             f"steps {self.start}->{cfg.max_steps}", d)
+        self.win = _Window(cfg.ttt_steps, d.device)
+        self.last_rec: dict[str, Any] = {}
+        self.last_ckpt, self.saved = self.ckpt, self.start
+        self.micro_seen = 0  # micro-batches this run: every score_every-th is scored, and each log window's first
+        self.tokens_run = 0
+
+    def _resume(self) -> int:
+        cfg, d, ckpt, dr = self.cfg, self.d, self.ckpt, self.draft
+        st = load_checkpoint(ckpt, dr.model, dr.opt, d.rank)
+        if st.get("draft_config") not in (None, self.draft_cfg):
             raise ValueError(f"cannot resume {ckpt}: it was trained with another draft config")
-        if not torch.equal(model.d2t.cpu(), vocab.d2t):
+        if not torch.equal(dr.model.d2t.cpu(), self.vocab.d2t):
             raise ValueError(f"cannot resume {ckpt}: its draft vocab differs from this data's (different data?)")
-        data.load_state_dict(st["data"])
-        sched.load_state_dict(st["schedule"])  # the saved schedule continues exactly ...
-        if cfg.lr_decay_steps and cfg.lr_decay_steps != sched.decay_steps:  # ... unless a new horizon is asked for
-            _log(f"lr schedule: cosine horizon {sched.decay_steps} -> {cfg.lr_decay_steps} (train.lr_decay_steps)", d)
-            sched.decay_steps = cfg.lr_decay_steps
-        _log(f"resumed from {ckpt} at step {start} (saved by {st.get('world_size')} rank(s), now {d.world}); "
-             f"data position {data.state_dict()}", d)
-    logger = MetricsLogger(run_dir, d.is_main, resume_step=start)
-    if d.is_main:
-        write_manifest(run_dir, "train", cfg, complete=False, target=target_dir, world_size=d.world,
-                       precision=precision, device=str(d.device), draft_config=draft_cfg, draft_vocab=vocab.info(),
-                       source=src.describe(), start_step=start)
-    _log(f"{d.world} rank(s) on {d.device.type} ({d.backend}), {precision}; draft {sum(p.numel() for p in trainable):,} "
-         f"trainable params; layers {list(spec.layer_ids)}; steps {start}->{cfg.max_steps}", d)
+        self.data.load_state_dict(st["data"])
+        dr.sched.load_state_dict(st["schedule"])  # the saved schedule continues exactly ...
+        if cfg.lr_decay_steps and cfg.lr_decay_steps != dr.sched.decay_steps:  # ... unless a new horizon is asked for
+            _log(f"lr schedule: cosine horizon {dr.sched.decay_steps} -> {cfg.lr_decay_steps} (train.lr_decay_steps)", d)
+            dr.sched.decay_steps = cfg.lr_decay_steps
+        _log(f"resumed from {ckpt} at step {st['step']} (saved by {st.get('world_size')} rank(s), now {d.world}); "
+             f"data position {self.data.state_dict()}", d)
+        return int(st["step"])
 
-    # ---- loop
-    bar = None
-    if d.is_main and cfg.progress:
-        from tqdm import tqdm
+    def _manifest(self, complete: bool, **extra: Any) -> None:
+        if self.d.is_main:
+            write_manifest(self.run_dir, "train", self.cfg, complete=complete, target=self.target_dir,
+                           world_size=self.d.world, precision=self.precision, device=str(self.d.device),
+                           draft_config=self.draft_cfg, draft_vocab=self.vocab.info(), source=self.src.describe(),
+                           start_step=self.start, **extra)
 
-        bar = tqdm(total=cfg.max_steps, initial=start, unit="step", dynamic_ncols=True, file=sys.stderr)
-    K = cfg.ttt_steps
-    win = _Window(K, d.device)
-    last_rec: dict[str, Any] = {}
-    last_ckpt, done, saved = ckpt, start, start
-    t_run = time.perf_counter()
-    tokens_run = 0
-    micro_seen = 0  # micro-batches this run: every score_every-th is scored, and each log window's first
-    lr = sched(start)
+    # ---- verbs
+    def step(self, step: int) -> torch.Tensor | None:
+        """One optimizer step (world x grad_accum micro-batches); None when the data ended on some rank."""
+        from eyas.draft.ttt import ttt_loss
+        from eyas.train.data import collate
 
-    def log(step: int) -> None:
-        nonlocal win, last_rec, tokens_run
-        rec = win.reduce(step, lr)
-        tokens_run += rec["tokens"]
-        logger.log(rec, echo=bar is None)
-        if bar is not None:
-            bar.write(format_line(rec))
-        last_rec, win = rec, _Window(K, d.device)
-
-    def save(step: int, evaluate: bool) -> None:
-        nonlocal last_ckpt, saved
-        trainer_state = {"data": data.state_dict(), "schedule": sched.state_dict(), "draft_config": draft_cfg,
-                         "config": dataclasses.asdict(cfg)}
-        last_ckpt = save_checkpoint(run_dir, step, model, opt, trainer_state, draft_meta, d.rank, d.world)
-        saved = step
-        _log(f"saved {last_ckpt}", d)
-        if evaluate:
-            _serve_eval(run_dir, last_ckpt, step, cfg, last_rec.get("est_al", 0.0), d, logger)
-
-    for step in range(start + 1, cfg.max_steps + 1):
+        cfg, d, dr, win = self.cfg, self.d, self.draft, self.win
         t0 = time.perf_counter()
-        lr = sched(step - 1)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        mbs = data.next_step(d.world, cfg.grad_accum, d.rank)
+        self.lr = dr.sched(step - 1)
+        for g in dr.opt.param_groups:
+            g["lr"] = self.lr
+        mbs = self.data.next_step(d.world, cfg.grad_accum, d.rank)
         win.data_s += time.perf_counter() - t0
         if not _all_have(mbs is not None, d):  # a stream ended somewhere: every rank stops here
-            _log(f"the data stream ended after {done} steps", d)
-            break
+            return None
+        loss = None
         for a, items in enumerate(mbs):
             td = time.perf_counter()
             batch = collate(items, cfg.max_len, cfg.loss_tokens).to(d.device)
             win.data_s += time.perf_counter() - td
-            model.set_requires_gradient_sync(a == len(mbs) - 1)
-            score = win.micro == 0 or micro_seen % max(1, cfg.score_every) == 0
-            micro_seen += 1
-            loss, stats = ttt_loss(model, batch, head, K, cfg.position_decay, score=score)
+            dr.model.set_requires_gradient_sync(a == len(mbs) - 1)
+            score = win.micro == 0 or self.micro_seen % max(1, cfg.score_every) == 0
+            self.micro_seen += 1
+            loss, stats = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score)
             (loss / cfg.grad_accum).backward()
             win.add(loss.detach(), stats, batch.num_tokens)
-        gnorm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
+        gnorm = torch.nn.utils.clip_grad_norm_(dr.trainable, cfg.grad_clip)
         gnorm = gnorm.full_tensor() if hasattr(gnorm, "full_tensor") else gnorm
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        dr.opt.step()
+        dr.opt.zero_grad(set_to_none=True)
         win.grad_norm += float(gnorm)
         win.steps += 1
         win.step_s += time.perf_counter() - t0
-        done = step
-        final = step == cfg.max_steps
-        if step % max(1, cfg.log_every) == 0 or final:
-            log(step)
+        return loss
+
+    def log(self, step: int, bar: Any = None) -> None:
+        rec = self.win.reduce(step, self.lr)
+        self.tokens_run += rec["tokens"]
+        self.logger.log(rec, echo=bar is None)
         if bar is not None:
-            bar.update(1)
-            bar.set_postfix_str(f"loss {float(loss.detach()):.3f} {last_rec.get('tokens_per_s', 0):.0f} tok/s")
-        eval_due = final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
-        if eval_due or (cfg.save_every > 0 and step % cfg.save_every == 0):
-            save(step, evaluate=eval_due)
-    if done > saved:  # the stream ended early: finish like the last step
-        if win.steps:
-            log(done)
-        save(done, evaluate=True)
-    if bar is not None:
-        bar.close()
-    elapsed = time.perf_counter() - t_run
-    summary = {"step": done, "checkpoint": str(last_ckpt), "last": last_rec, "elapsed_s": elapsed,
-               "tokens": tokens_run, "tokens_per_s": tokens_run / max(elapsed, 1e-9)}
-    if d.is_main:
-        write_manifest(run_dir, "train", cfg, complete=True, target=target_dir, world_size=d.world,
-                       precision=precision, device=str(d.device), draft_config=draft_cfg, draft_vocab=vocab.info(),
-                       source=src.describe(), start_step=start, final=summary)
-    logger.close()
-    return summary
+            bar.write(format_line(rec))
+        self.last_rec, self.win = rec, _Window(self.cfg.ttt_steps, self.d.device)
+
+    def save(self, step: int, evaluate: bool) -> Path:
+        """Checkpoint (every rank); then, when `evaluate`, the checkpoint callback on rank 0."""
+        dr = self.draft
+        trainer_state = {"data": self.data.state_dict(), "schedule": dr.sched.state_dict(),
+                         "draft_config": self.draft_cfg, "config": dataclasses.asdict(self.cfg)}
+        self.last_ckpt = save_checkpoint(self.run_dir, step, dr.model, dr.opt, trainer_state, self.draft_meta,
+                                         self.d.rank, self.d.world)
+        self.saved = step
+        _log(f"saved {self.last_ckpt}", self.d)
+        if evaluate and self.on_checkpoint is not None:
+            self._evaluate(self.last_ckpt, step)
+        return self.last_ckpt
+
+    def _evaluate(self, ckpt: Path, step: int) -> None:
+        def run() -> None:
+            rec = self.on_checkpoint(ckpt, step, self.last_rec.get("est_al"))
+            if rec:
+                _log(f"checkpoint callback, step {step}: {json.dumps(rec)[:400]}")
+                al = rec.get("acceptance_length")
+                if isinstance(al, (int, float)) and self.logger.tb is not None:
+                    self.logger.tb.add_scalar("serve/acceptance_length", al, step)
+
+        try:
+            on_main(run, self.d)
+        except Exception as e:  # every rank raises (on_main), with the checkpoint named
+            raise RuntimeError(f"evaluating {ckpt} failed: {type(e).__name__}: {e}") from e
+
+    def fit(self) -> dict[str, Any]:
+        """Steps start+1 .. max_steps (or until the data ends): log, checkpoint, evaluate."""
+        cfg, d = self.cfg, self.d
+        bar = None
+        if d.is_main and cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.max_steps, initial=self.start, unit="step", dynamic_ncols=True, file=sys.stderr)
+        done = self.start
+        t_run = time.perf_counter()
+        self.lr = self.draft.sched(self.start)
+        for step in range(self.start + 1, cfg.max_steps + 1):
+            loss = self.step(step)
+            if loss is None:
+                _log(f"the data stream ended after {done} steps", d)
+                break
+            done = step
+            final = step == cfg.max_steps
+            if step % max(1, cfg.log_every) == 0 or final:
+                self.log(step, bar)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"loss {float(loss.detach()):.3f} {self.last_rec.get('tokens_per_s', 0):.0f} tok/s")
+            eval_due = final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
+            if eval_due or (cfg.save_every > 0 and step % cfg.save_every == 0):
+                self.save(step, evaluate=eval_due)
+        if done > self.saved:  # the stream ended early: finish like the last step
+            if self.win.steps:
+                self.log(done, bar)
+            self.save(done, evaluate=True)
+        if bar is not None:
+            bar.close()
+        elapsed = time.perf_counter() - t_run
+        summary = {"step": done, "checkpoint": str(self.last_ckpt), "last": self.last_rec, "elapsed_s": elapsed,
+                   "tokens": self.tokens_run, "tokens_per_s": self.tokens_run / max(elapsed, 1e-9)}
+        self._manifest(complete=True, final=summary)
+        return summary
+
+    def close(self) -> None:
+        self.logger.close()
+        self.data.close()
 
 
 def _all_have(flag: bool, d: P.Dist) -> bool:
@@ -335,28 +411,3 @@ class _Window:
             "data_s": data_s / world / max(self.steps, 1),
             "micro_batches": int(micro),
         }
-
-
-def _serve_eval(run_dir: Path, ckpt: Path, step: int, cfg: TrainConfig, est_al: float, d: P.Dist,
-                logger: MetricsLogger) -> None:
-    """Rank 0 runs `eyas.serve_eval.on_checkpoint` (if that module exists); the others wait."""
-
-    def run() -> None:
-        try:
-            se = importlib.import_module("eyas.serve_eval")
-        except ModuleNotFoundError as e:
-            if e.name != "eyas.serve_eval":
-                raise
-            _log("eyas.serve_eval is not available; skipping the vLLM acceptance check")
-            return
-        rec = se.on_checkpoint(run_dir, ckpt, step, cfg, est_al)
-        if rec:
-            _log(f"serve-eval step {step}: {json.dumps(rec)[:400]}")
-            al = rec.get("acceptance_length")
-            if isinstance(al, (int, float)) and logger.tb is not None:
-                logger.tb.add_scalar("serve/acceptance_length", al, step)
-
-    try:
-        on_main(run, d)
-    except Exception as e:  # every rank raises (on_main), with the checkpoint named
-        raise RuntimeError(f"serve-eval of {ckpt} failed: {type(e).__name__}: {e}") from e

@@ -54,11 +54,6 @@ def destroy(d: Dist) -> None:
         dist.destroy_process_group()
 
 
-def barrier(d: Dist) -> None:
-    if d.world > 1:
-        dist.barrier()
-
-
 def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(t, op=dist.ReduceOp.SUM)

@@ -10,7 +10,6 @@ layers): what offline storage costs per N tokens vs what streaming keeps in memo
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -47,11 +46,12 @@ def _plain_prefill_tok_s(target: Path, samples: list[dict], compute_dtype: str, 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from eyas.extract.hf import DTYPES, length_batches, pad_batch
+    from eyas.extract.hf import DTYPES, pad_batch
+    from eyas.packing import pack_by_length
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=DTYPES[compute_dtype]).eval()
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
-    batches = length_batches(lengths, batch_tokens)
+    batches = pack_by_length(lengths, batch_tokens)
 
     def run() -> None:
         for b in batches:
@@ -105,7 +105,8 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
 
     The vllm backend spawns engine processes: call this under `if __name__ == "__main__":`.
     """
-    from eyas.extract import Renderer, make_extractor, read_conversations, resolve_compute_dtype
+    from eyas.extract.backends import make_extractor
+    from eyas.extract.base import Renderer, read_conversations, resolve_compute_dtype
     from eyas.models import resolve_target
 
     target = resolve_target(str(target))
@@ -172,22 +173,3 @@ def format_table(rows: list[dict], target: Path | str, compute_dtype: str) -> st
             lines.append(f"  {r['tokens']:.0e} tokens: offline bf16 {_gb(r['offline_bf16_bytes'])}, fp8 "
                          f"{_gb(r['offline_fp8_bytes'])}; streaming holds <= {_gb(r['streaming_bytes'])} per consumer")
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m eyas.extract.bench", description=__doc__)
-    p.add_argument("--target", default="smollm2-135m-instruct")
-    p.add_argument("--n-samples", type=int, default=16)
-    p.add_argument("--backends", nargs="+", default=["hf", "vllm"])
-    p.add_argument("--compute-dtype", default="bf16")
-    p.add_argument("--max-len", type=int, default=1024)
-    p.add_argument("--data", default="")
-    a = p.parse_args(argv)
-    run_bench(a.target, a.n_samples, tuple(a.backends), compute_dtype=a.compute_dtype, max_len=a.max_len, data=a.data)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

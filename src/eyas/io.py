@@ -1,0 +1,113 @@
+"""Files every stage writes and reads: atomic text, JSONL (written atomically, appended
+durably, read strictly), JSON. Nothing here knows a stage.
+
+    atomic_write_text(path, text)   temp file in the same dir, fsync, rename: a kill leaves old or new
+    write_jsonl(path, records)      the same for a whole JSONL file
+    append_jsonl(path, records)     append + fsync: what returned survives a crash right after
+    iter_jsonl(path, hint)          (line_no, object) of every non-blank line; a bad line is a ValueError
+    scan_jsonl(path)                records of a file this process appends to, a torn last line cut off
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Iterator
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` so that a kill leaves either the old file or the new one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path)
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
+    """Atomic like `atomic_write_text`, streamed. Returns the record count."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_path(path)
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for rec in records:
+            f.write(json.dumps(rec, ensure_ascii=False) + "\n")
+            n += 1
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return n
+
+
+def append_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
+    """Append records and fsync: what is appended survives a crash right after."""
+    if not records:
+        return
+    with open(path, "ab") as f:
+        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def iter_jsonl(path: str | os.PathLike, missing_hint: str = "") -> Iterator[tuple[int, Any]]:
+    """Yield `(line_no, object)`; a missing file or a bad line is a ValueError naming file:line."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p} does not exist" + (f" ({missing_hint})" if missing_hint else ""))
+    with open(p, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield n, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{p}:{n}: not JSON ({e}); fix or delete that line") from None
+
+
+def scan_jsonl(path: str | os.PathLike, who: str = "eyas") -> list[dict[str, Any]]:
+    """Records of a JSONL file this stage appends to; a torn last line (a kill mid-write) is cut off.
+
+    A bad line anywhere but at the end is a ValueError: that is not a torn write."""
+    path = Path(path)
+    recs: list[dict[str, Any]] = []
+    if not path.exists():
+        return recs
+    good = 0
+    with open(path, "rb") as f:
+        for line in f:
+            try:
+                rec = json.loads(line) if line.endswith(b"\n") else None
+            except json.JSONDecodeError:
+                rec = None
+            if rec is None:
+                if f.read().strip():
+                    raise ValueError(f"{path}: corrupt line at byte {good}, not at the end; delete the file to redo")
+                break
+            good += len(line)
+            recs.append(rec)
+    if good < path.stat().st_size:
+        print(f"{who}: {path}: cutting off a partial last line ({path.stat().st_size - good} bytes) "
+              "left by an interrupted run", file=sys.stderr)
+        os.truncate(path, good)
+    return recs
+
+
+def read_json(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
+    """A JSON object from `path`; missing or corrupt is a ValueError naming the file."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{p} does not exist" + (f" ({what})" if what else ""))
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{p}: not valid JSON ({e})") from None

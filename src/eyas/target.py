@@ -1,0 +1,139 @@
+"""What eyas reads of a target model dir, in one place: its text config, the aux layer ids,
+and the tensors the draft shares with it (token embeddings, lm_head, the final norm).
+
+A multimodal checkpoint (a wrapper config with `text_config`) is read through its text
+config; tensor names are looked up by suffix, the shortest first (the language model's).
+
+    text_config(dir)         the HF config object of the language model
+    text_config_dict(dir)    the same from config.json as a dict (no transformers import)
+    facts(dir)               {"num_layers": L, "hidden_size": H}
+    default_layer_ids(L)     vLLM's EAGLE-3 default aux ids (2, L//2, L-3)
+    resolve_layer_ids(ids, L)
+    weight_map(dir)          {tensor name: safetensors file}
+    read_tensor(dir, name)
+    load_head(dir)           (embed [V, H], lm_head [V, H], text config dict)
+    target_embed(dir)        embed [V', H] or None
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from eyas.io import read_json
+
+
+def config_dict(target: str | os.PathLike) -> dict[str, Any]:
+    """The target's config.json as written (the wrapper's, for a multimodal checkpoint)."""
+    return read_json(Path(target) / "config.json", "a target model dir: fetch one with `eyas models fetch`")
+
+
+def text_config_dict(target: str | os.PathLike) -> dict[str, Any]:
+    cfg = config_dict(target)
+    return cfg.get("text_config") or cfg
+
+
+def text_config(target: str | os.PathLike | Any) -> Any:
+    """The language model's transformers config of a dir (or of a config object)."""
+    if isinstance(target, (str, os.PathLike)):
+        from transformers import AutoConfig
+
+        target = AutoConfig.from_pretrained(str(target))
+    return target.get_text_config() if hasattr(target, "get_text_config") else target
+
+
+def facts(target: str | os.PathLike) -> dict[str, int]:
+    """`num_layers` (L) and `hidden_size` (H) of the language model."""
+    t = text_config(target)
+    return {"num_layers": int(t.num_hidden_layers), "hidden_size": int(t.hidden_size)}
+
+
+def default_layer_ids(num_layers: int) -> list[int]:
+    """vLLM's EAGLE-3 default (2, L//2, L-3); for L < 7, where it collapses, (1, L//2, L-1)."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    if not (ids[0] < ids[1] < ids[2]):
+        ids = [1, num_layers // 2, num_layers - 1]
+    if not (0 < ids[0] < ids[1] < ids[2] < num_layers):
+        raise ValueError(f"a target with {num_layers} layers is too shallow for 3 aux layers; pass --layer-ids")
+    return ids
+
+
+def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...] | None, num_layers: int) -> list[int]:
+    """Ascending, unique ids in [0, L-1] (id L is the final state, kept as last_hidden_states)."""
+    if not layer_ids:
+        return default_layer_ids(num_layers)
+    ids = [int(k) for k in layer_ids]
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"layer ids {ids} repeat an id")
+    bad = [k for k in ids if not 0 <= k < num_layers]
+    if bad:
+        raise ValueError(
+            f"layer ids {bad} are outside [0, {num_layers - 1}] for a {num_layers}-layer target "
+            f"(id k = residual stream after k layers; the final state, id {num_layers}, is always "
+            "stored as last_hidden_states)"
+        )
+    return sorted(ids)
+
+
+def weight_map(target: str | os.PathLike) -> dict[str, str]:
+    """{tensor name: file name} from the safetensors index, or by opening every shard."""
+    from safetensors import safe_open
+
+    d = Path(target)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        return dict(json.loads(index.read_text())["weight_map"])
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{d}: no *.safetensors weights (eyas reads the target's tensors from them)")
+    where: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            where.update({k: f.name for k in sf.keys()})
+    return where
+
+
+def find_tensor(where: dict[str, str], suffix: str) -> str | None:
+    """The shortest tensor name ending in `suffix` (the language model's in a multimodal checkpoint)."""
+    names = sorted((k for k in where if k.endswith(suffix)), key=len)
+    return names[0] if names else None
+
+
+def read_tensor(target: str | os.PathLike, name: str, where: dict[str, str] | None = None):
+    from safetensors import safe_open
+
+    where = where if where is not None else weight_map(target)
+    if name not in where:
+        raise ValueError(f"{target}: no tensor {name!r} in the safetensors")
+    with safe_open(str(Path(target) / where[name]), framework="pt") as sf:
+        return sf.get_tensor(name)
+
+
+def load_head(target: str | os.PathLike):
+    """(embed [V, H], lm_head [V, H], text config dict) read straight from the target's safetensors.
+
+    A tied lm_head (or none stored) is the embedding; rows past vocab_size (padding) are cut."""
+    d = Path(target)
+    cfg = config_dict(d)
+    tcfg = cfg.get("text_config") or cfg
+    where = weight_map(d)
+    emb_name = find_tensor(where, "embed_tokens.weight")
+    if emb_name is None:
+        raise ValueError(f"{d}: no '*embed_tokens.weight' tensor in the safetensors")
+    embed = read_tensor(d, emb_name, where)
+    head_name = find_tensor(where, "lm_head.weight")
+    tied = bool(tcfg.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False)))
+    lm_head = embed if (tied or head_name is None) else read_tensor(d, head_name, where)
+    V = int(tcfg["vocab_size"])
+    if embed.shape[0] < V or lm_head.shape[0] < V:
+        raise ValueError(f"{d}: embeddings {tuple(embed.shape)} / lm_head {tuple(lm_head.shape)} smaller than vocab {V}")
+    return embed[:V], lm_head[:V], tcfg
+
+
+def target_embed(target: str | os.PathLike):
+    """The target's input embedding [V', H] as stored, or None when it has none."""
+    where = weight_map(target)
+    name = find_tensor(where, "embed_tokens.weight")
+    return None if name is None else read_tensor(target, name, where)
