@@ -19,6 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("foundation", ("eyas", "eyas.host", "eyas.io", "eyas.config", "eyas.packing", "eyas.fp8")),
     ("records", ("eyas.manifest", "eyas.target", "eyas.vllm_runner")),
+    ("rules", ("eyas.stage",)),  # where a stage writes, when it skips or resumes
     ("engines", ("eyas.models", "eyas.chat")),
     ("contracts", ("eyas.acceptance", "eyas.features", "eyas.draft")),
     ("checkpoints", ("eyas.checkpoints",)),

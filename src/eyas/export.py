@@ -24,7 +24,8 @@ from eyas.draft.contract import (
     LINEARS, MID, TOKENIZER_FILES, build_config, canonical, speculators_config, validate_draft,
 )
 from eyas.io import atomic_write_text, read_json
-from eyas.manifest import read_manifest, sha256_file, tokenizer_hash, write_manifest
+from eyas.manifest import read_manifest, sha256_file, sha256_text, tokenizer_hash, write_manifest
+from eyas.stage import claim, say_complete
 
 # fp8-emulated: the fp8 draft's weights (rounded to E4M3 with its scales) stored back in bf16, for
 # vLLM builds without an FP8 kernel (CPU): acceptance of FP8 weights, not FP8 speed
@@ -42,8 +43,12 @@ def write_draft(
     keep_embed: bool = False,
     k: int = 3,
     extra: dict[str, Any] | None = None,
+    key: dict[str, Any] | None = None,
 ) -> Path:
     """Write a draft dir vLLM loads unchanged (validated before it appears at `out`); returns `out`.
+
+    `out` may be missing, empty or an earlier export (replaced whole, atomically); `key`
+    (what decides the content, see `export_checkpoint`) goes into the manifest.
 
     state_dict: full CPU tensors with vLLM's names (`fc.weight` [H, nH_t], `midlayer.*`,
     `norm.weight`, `lm_head.weight` [Vd, H], `d2t` [Vd] int64 offsets, `t2d` [V] bool,
@@ -60,6 +65,7 @@ def write_draft(
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {FORMATS}")
     out, target_dir = Path(out), Path(target_dir).resolve()
+    claim(out, "export", key, on_change="replace")  # refuses a dir that is not an export; nothing else is deleted
     target_cfg = read_json(target_dir / "config.json", "the target model dir")
     state = {canonical(n): t.detach().cpu() for n, t in state_dict.items()}
     cfg = build_config(draft_config, target_cfg, state, dtype)
@@ -126,6 +132,7 @@ def write_draft(
             tensors={n: [list(v.shape), str(v.dtype).removeprefix("torch.")] for n, v in tensors.items()},
             weights_sha256=sha256_file(stage / "model.safetensors"),
             validated=summary,
+            key=key,
             **(extra or {}),
         )
         if out.exists():
@@ -218,17 +225,30 @@ def export_checkpoint(
     keep_embed: bool = False,
     k: int = 3,
 ) -> Path:
-    """Checkpoint dir -> draft dir (weights read by `eyas.checkpoints.load_draft_state`)."""
+    """Checkpoint dir -> draft dir (weights read by `eyas.checkpoints.load_draft_state`); skipped when
+    `out` already holds this checkpoint exported with these settings (eyas.stage's rule)."""
     from eyas.models import resolve_target
 
+    ckpt_dir = Path(ckpt_dir)
     state, meta = load_draft_state(ckpt_dir)
+    target_dir = resolve_target(target or str(meta.get("target") or "")).resolve()
+    key = {"checkpoint": str(ckpt_dir.resolve()), "checkpoint_sha256": _checkpoint_hash(ckpt_dir), "dtype": dtype,
+           "format": fmt, "keep_embed": keep_embed, "k": k, "target": str(target_dir)}
+    if claim(Path(out), "export", key, on_change="replace").complete:
+        say_complete("export", Path(out), f"{ckpt_dir.name}, {fmt}, {dtype}")
+        return Path(out)
     draft_config = dict(meta.get("draft_config") or {})
     if meta.get("layer_ids") and not draft_config.get("eagle_aux_hidden_state_layer_ids"):
         draft_config["eagle_aux_hidden_state_layer_ids"] = list(meta["layer_ids"])
-    target_dir = resolve_target(target or str(meta.get("target") or ""))
     extra = {"checkpoint": str(ckpt_dir), "checkpoint_step": meta.get("step")}
     return write_draft(state, draft_config, out, target_dir, dtype=dtype, fmt=fmt, keep_embed=keep_embed, k=k,
-                       extra=extra)
+                       extra=extra, key=key)
+
+
+def _checkpoint_hash(ckpt_dir: Path) -> str:
+    """What identifies a checkpoint's content: its draft.json and trainer.json (written with its weights)."""
+    parts = [(ckpt_dir / name).read_text() if (ckpt_dir / name).exists() else "" for name in ("draft.json", "trainer.json")]
+    return sha256_text("\n".join(parts))
 
 
 def export_run(e: ExportConfig, verify: bool | None = None) -> Path:

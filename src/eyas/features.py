@@ -32,6 +32,7 @@ import torch
 from eyas.config import ExtractConfig, choices
 from eyas.fp8 import dequantize_fp8, quantize_fp8
 from eyas.manifest import read_manifest, sha256_file
+from eyas.stage import claim
 
 FORMAT = "eyas-features-v1"
 STORAGE_DTYPES = choices(ExtractConfig, "dtype")
@@ -107,9 +108,11 @@ class FeatureWriter:
     """Appends shards to a feature dir and keeps its manifest current; resumable.
 
     `header` holds what identifies the features (target, layer ids, dtype, hashes, ...).
-    An existing dir made with a different header is refused; one with the same header is
-    resumed: its listed shards are kept (`done_ids`), stray temp files and shards the
-    manifest does not list (a kill between rename and manifest update) are removed.
+    The dir is claimed by eyas.stage's rule (IDENTITY is the key): an existing dir made
+    with a different header, or holding anything but eyas features, is refused; one with
+    the same header is resumed: its listed shards are kept (`done_ids`), stray temp files
+    and shards the manifest does not list (a kill between rename and manifest update;
+    the manifest, written before the first shard, proves the dir is ours) are removed.
     """
 
     IDENTITY = ("format", "layer_ids", "dtype", "hidden_size", "num_target_layers", "tokenizer_hash",
@@ -121,19 +124,13 @@ class FeatureWriter:
         self.out = Path(out)
         self.header = {"format": FORMAT, **header}
         self.samples_per_shard = samples_per_shard
-        self.out.mkdir(parents=True, exist_ok=True)
         self.shards: list[dict[str, Any]] = []
         self.removed: list[str] = []
-        prev = read_manifest(self.out)
-        if prev is not None:
-            if prev.get("stage") != "extract":
-                raise ValueError(f"{self.out} holds a {prev.get('stage')!r} artifact, not features; choose another --out")
-            diff = {k: (prev.get(k), self.header.get(k)) for k in self.IDENTITY if prev.get(k) != self.header.get(k)}
-            if diff:
-                raise ValueError(
-                    f"{self.out} holds features made with different settings {diff} (existing, requested); "
-                    "delete it or choose another --out"
-                )
+        prev = claim(self.out, "extract", self.identity(self.header), key_of=self.identity).manifest
+        self.out.mkdir(parents=True, exist_ok=True)
+        if prev is None:
+            self.write_manifest(complete=False)  # before any shard: what is written here is provably ours
+        else:
             self.shards = list(prev.get("shards", []))
         listed = {s["file"] for s in self.shards}
         for p in self.out.iterdir():
@@ -144,6 +141,10 @@ class FeatureWriter:
             if not (self.out / s["file"]).exists():
                 raise ValueError(f"{self.out}: the manifest lists {s['file']} but it is missing; delete the dir to redo")
         self.pending: list[dict] = []
+
+    @classmethod
+    def identity(cls, header: dict[str, Any]) -> dict[str, Any]:
+        return {k: header.get(k) for k in cls.IDENTITY}
 
     @property
     def done_ids(self) -> set[str]:

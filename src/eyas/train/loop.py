@@ -25,6 +25,7 @@ from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.train import parallel as P
 from eyas.checkpoints import latest_checkpoint
 from eyas.manifest import write_manifest
+from eyas.stage import output_dir
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 from eyas.train.metrics import MetricsLogger, format_line, summarize
 
@@ -55,8 +56,7 @@ def _log(msg: str, d: P.Dist | None = None) -> None:
 
 
 def check_config(cfg: TrainConfig) -> None:
-    if not cfg.out:
-        raise ValueError("no run dir: pass --out RUN")
+    output_dir(cfg.out, "--out")  # a run dir resumes by checkpoint (eyas.checkpoints), not by manifest key
     if not cfg.target:
         raise ValueError("no target: pass --target NAME|DIR")
     if cfg.max_steps < 1 or cfg.ttt_steps < 1 or cfg.grad_accum < 1:

@@ -1,0 +1,88 @@
+"""Where a stage writes and when it has nothing left to do: one rule, used by every stage.
+
+    out = output_dir(cfg.out, "--out")                  the stage's dir, or an error naming the flag
+    o = claim(out, "synth", key)                        what is there, checked against this run
+    o.complete -> skip;  o.manifest -> resume;  neither -> a new output
+
+A stage writes only into a dir that is missing or empty, or that holds its own manifest
+(`eyas.manifest`) for the same key (the resolved settings and input hashes that decide
+its content). Anything else is refused with a message naming what is there:
+
+- a non-empty dir without an eyas manifest (foreign content: never deleted);
+- another stage's output;
+- this stage's output for another key: refused when the output is built in place and
+  resumed (synth, extract: `on_change="refuse"`), replaced when the stage writes its
+  whole output anew and swaps it in (export, quantize, the model and data caches:
+  `on_change="replace"`).
+
+Training resumes by checkpoint instead (`eyas.checkpoints`: a run dir holds its steps);
+eval and bench are measurements: they run every time and write their reports atomically.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas.manifest import read_manifest
+
+
+@dataclass(frozen=True)
+class Output:
+    dir: Path
+    manifest: dict[str, Any] | None  # this stage's manifest for this key (None: a new output)
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.manifest and self.manifest.get("complete"))
+
+
+def output_dir(value: str | Path, flag: str) -> Path:
+    """The dir a stage was told to write (`--out`-like `flag`), expanded; an error when unset."""
+    if not str(value):
+        raise ValueError(f"no output dir: pass {flag} DIR")
+    return Path(value).expanduser()
+
+
+def is_temp(name: str) -> bool:
+    """eyas's own temp names: `.NAME.tmp.PID` files and `.tmp_*` / `.NAME.*` staging dirs."""
+    return name.startswith(".") and (".tmp" in name or name.startswith(".tmp_"))
+
+
+def claim(out: Path, stage: str, key: Any, on_change: str = "refuse",
+          key_of: Callable[[dict[str, Any]], Any] = lambda man: man.get("key")) -> Output:
+    """Check `out` for `stage` with `key` (see the module doc); returns what may be resumed or skipped."""
+    out = Path(out)
+    man = read_manifest(out) if out.is_dir() else None
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; {stage} writes a directory: choose another --out")
+    if man is None:
+        there = sorted(p.name for p in out.iterdir() if not is_temp(p.name) and p.name != "manifest.json") \
+            if out.is_dir() else []
+        if there:
+            shown = ", ".join(there[:5]) + (f" and {len(there) - 5} more" if len(there) > 5 else "")
+            raise ValueError(f"{out} is not empty and is not an eyas {stage} output (it holds {shown}); "
+                             "choose another --out or delete it")
+        return Output(out, None)
+    if man.get("stage") != stage:
+        raise ValueError(f"{out} holds an eyas {man.get('stage')!r} output, not an eyas {stage} output; "
+                         "choose another --out")
+    had = key_of(man)
+    if had != key:
+        if on_change == "replace":
+            return Output(out, None)
+        if isinstance(key, dict) and isinstance(had, dict):
+            diff = sorted(k for k in set(key) | set(had) if had.get(k) != key.get(k))
+        else:
+            diff = ["key"]
+        raise ValueError(f"{out} holds {stage} output made with different settings (differs in: {', '.join(diff)}); "
+                         "choose another --out or delete it")
+    return Output(out, man)
+
+
+def say_complete(stage: str, out: Path, detail: str = "") -> None:
+    print(f"eyas {stage}: {out} is complete for these inputs{f' ({detail})' if detail else ''}; nothing to do",
+          file=sys.stderr)

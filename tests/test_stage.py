@@ -1,0 +1,82 @@
+"""eyas.stage: one rule for where every stage writes, when it skips, and what it refuses."""
+
+import json
+
+import pytest
+
+from eyas.manifest import write_manifest
+from eyas.stage import claim, output_dir
+
+
+def test_output_dir_names_the_flag():
+    with pytest.raises(ValueError, match="no output dir: pass --out DIR"):
+        output_dir("", "--out")
+    assert output_dir("~/x", "--out").name == "x"
+
+
+def test_claim(tmp_path):
+    new = claim(tmp_path / "missing", "synth", {"a": 1})
+    assert new.manifest is None and not new.complete
+    (tmp_path / "empty").mkdir()
+    assert claim(tmp_path / "empty", "synth", {"a": 1}).manifest is None
+    (tmp_path / "empty" / ".x.tmp.123").write_text("")  # eyas's own temp names are not foreign content
+    assert claim(tmp_path / "empty", "synth", {"a": 1}).manifest is None
+
+    mine = tmp_path / "mine"
+    write_manifest(mine, "synth", None, key={"a": 1, "b": 2}, complete=True)
+    assert claim(mine, "synth", {"a": 1, "b": 2}).complete
+    with pytest.raises(ValueError, match=r"different settings \(differs in: b\)"):
+        claim(mine, "synth", {"a": 1, "b": 3})
+    assert claim(mine, "synth", {"a": 1, "b": 3}, on_change="replace").manifest is None
+    with pytest.raises(ValueError, match="holds an eyas 'synth' output, not an eyas export output"):
+        claim(mine, "export", {"a": 1})
+
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(ValueError, match=r"not empty and is not an eyas export output \(it holds notes.txt\)"):
+        claim(foreign, "export", {}, on_change="replace")
+
+
+def test_export_refuses_a_foreign_dir_and_skips_a_done_one(tiny_llama, tmp_path, monkeypatch, capsys):
+    from eyas import export
+    from eyas.draft.contract import random_draft
+
+    state, cfg = random_draft(tiny_llama, draft_vocab_size=512)
+    meta = {"draft_config": cfg, "layer_ids": cfg["eagle_aux_hidden_state_layer_ids"], "target": str(tiny_llama)}
+    monkeypatch.setattr(export, "load_draft_state", lambda p: (state, meta))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_1"
+    ckpt.mkdir(parents=True)
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 1}))
+    foreign = tmp_path / "work"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("years of work")
+    with pytest.raises(ValueError, match="not an eyas export output"):
+        export.export_checkpoint(ckpt, foreign)
+    assert (foreign / "thesis.tex").read_text() == "years of work"
+
+    out = export.export_checkpoint(ckpt, tmp_path / "draft")
+    first = (out / "manifest.json").read_text()
+    export.export_checkpoint(ckpt, tmp_path / "draft")
+    assert "is complete for these inputs" in capsys.readouterr().err
+    assert (out / "manifest.json").read_text() == first  # skipped: not rewritten
+    (ckpt / "trainer.json").write_text(json.dumps({"step": 1, "resaved": True}))  # new content: exported again
+    export.export_checkpoint(ckpt, tmp_path / "draft", dtype="fp8")
+    assert json.loads((out / "manifest.json").read_text())["key"]["dtype"] == "fp8"
+
+
+def test_feature_writer_keeps_what_it_did_not_write(tmp_path):
+    from eyas.features import FeatureWriter
+
+    d = tmp_path / "feat"
+    d.mkdir()
+    (d / "shard-00000.safetensors").write_bytes(b"someone else's")
+    header = {"layer_ids": [1, 2, 3], "dtype": "bf16", "hidden_size": 8, "num_target_layers": 4}
+    with pytest.raises(ValueError, match="not an eyas extract output"):
+        FeatureWriter(d, header)
+    assert (d / "shard-00000.safetensors").read_bytes() == b"someone else's"
+    w = FeatureWriter(tmp_path / "new", header)  # a new dir gets its manifest before any shard
+    assert json.loads((tmp_path / "new" / "manifest.json").read_text())["complete"] is False
+    (tmp_path / "new" / "shard-00000.safetensors").write_bytes(b"torn")  # a kill between shard and manifest
+    assert FeatureWriter(tmp_path / "new", header).removed == ["shard-00000.safetensors"]
+    assert w.shards == []
