@@ -21,14 +21,15 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-from eyas.chat import validate_messages
+from eyas import vllm_runner
+from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids, validate_messages
 from eyas.host import machine
+from eyas.io import iter_jsonl
+from eyas.vllm_runner import COUNTERS, PER_POS
 
 
 def load_prompts(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]]:
     """`{"id", "domain", "messages"}` JSONL; trailing assistant turns are dropped (the target answers)."""
-    from eyas.io import iter_jsonl
-
     p = Path(path)
     rows = []
     for n, row in iter_jsonl(p, "the prompts file"):
@@ -46,8 +47,6 @@ def load_prompts(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]
 
 def _fit(prompts: list[dict[str, Any]], target: Path, max_model_len: int, max_tokens: int) -> tuple[list, int]:
     """Drop prompts whose rendered length leaves no room for max_tokens (vLLM would refuse the batch)."""
-    from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
-
     tok = load_tokenizer(target)
     tpl = load_chat_template(target, tok=tok)
     keep = [p for p in prompts if len(render_prompt_ids(tok, p["messages"], tpl)) + max_tokens <= max_model_len]
@@ -83,8 +82,6 @@ def summarize(counters: dict[str, Any], k: int | None) -> dict[str, Any]:
 
 def counters_from_prometheus(text: str) -> dict[str, Any]:
     """Spec-decode counters from a server's `/metrics` text (summed over label sets)."""
-    from eyas.vllm_runner import COUNTERS, PER_POS
-
     out: dict[str, Any] = {}
     per_pos: dict[int, int] = {}
     for line in text.splitlines():
@@ -123,8 +120,6 @@ def measure_acceptance(
 
     prompts: `{"id", "domain", "messages"}` dicts (messages end with a user turn).
     """
-    from eyas import vllm_runner
-
     target = Path(target)
     draft = None if draft in (None, "", "none") else str(draft)
     prompts, skipped = _fit(prompts, target, max_model_len, max_tokens)

@@ -14,6 +14,8 @@ from typing import Any
 from eyas.acceptance import load_prompts, measure_acceptance
 from eyas.config import EvalConfig, RunConfig
 from eyas.draft.contract import validate_draft
+from eyas.io import atomic_write_text
+from eyas.models import resolve_target
 
 
 def format_table(rep: dict[str, Any]) -> str:
@@ -35,9 +37,6 @@ def format_table(rep: dict[str, Any]) -> str:
 
 def evaluate(e: EvalConfig) -> dict[str, Any]:
     """EvalConfig -> the report (also written to e.out when set). `e.draft` "none": plain decoding."""
-    from eyas.io import atomic_write_text
-    from eyas.models import resolve_target
-
     if not e.draft:
         raise ValueError("eyas eval needs --draft DIR (or --draft none for the plain-decoding baseline)")
     if not e.prompts:

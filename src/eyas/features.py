@@ -31,7 +31,7 @@ import torch
 
 from eyas.config import ExtractConfig, choices
 from eyas.fp8 import dequantize_fp8, quantize_fp8
-from eyas.manifest import read_manifest, sha256_file
+from eyas.manifest import read_manifest, sha256_file, write_manifest
 from eyas.stage import claim
 
 FORMAT = "eyas-features-v1"
@@ -181,8 +181,6 @@ class FeatureWriter:
         self.write_manifest(complete=False)
 
     def write_manifest(self, complete: bool, **extra: Any) -> dict[str, Any]:
-        from eyas.manifest import write_manifest
-
         counts = {
             "num_samples": sum(s["num_samples"] for s in self.shards),
             "num_tokens": sum(s["num_tokens"] for s in self.shards),

@@ -20,8 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from eyas.config import Recipe, to_dict
+from eyas.data import build_mix
+from eyas.evaluate import evaluate
+from eyas.export import export_run, serve_command
 from eyas.host import machine
 from eyas.manifest import write_manifest
+from eyas.models import resolve_target
+from eyas.report import write_report
 
 
 @contextlib.contextmanager
@@ -49,8 +54,6 @@ def _train(cfg: Recipe, nproc: int) -> None:
 
 
 def run(cfg: Recipe) -> dict[str, Any]:
-    from eyas.models import resolve_target
-
     cfg = copy.deepcopy(cfg)
     out = Path(cfg.run.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -71,8 +74,6 @@ def run(cfg: Recipe) -> dict[str, Any]:
         report["machine"] = machine()
 
     with _stage(timings, "data"):
-        from eyas.data import build_mix
-
         d = cfg.data
         paths = build_mix(d.sources, d.max_per_source, d.seed, out / "data", d.eval_fraction)
         train_prompts, eval_prompts = paths["train"], paths["eval"]
@@ -99,15 +100,11 @@ def run(cfg: Recipe) -> dict[str, Any]:
         _train(cfg, cfg.run.nproc)
 
     with _stage(timings, "export"):
-        from eyas.export import export_run
-
         x = cfg.export
         x.run, x.out, x.target = str(out / "train"), str(out / "draft"), str(serve_target)
         draft = Path(export_run(x))
 
     with _stage(timings, "eval"):
-        from eyas.evaluate import evaluate
-
         v = cfg.eval
         v.draft, v.out = str(draft), str(out / "eval.json")
         report["eval"] = evaluate(v)
@@ -121,8 +118,6 @@ def run(cfg: Recipe) -> dict[str, Any]:
         report["throughput"] = bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens,
                                                 cfg.eval.k, out=out / "throughput.json")
 
-    from eyas.export import serve_command
-    from eyas.report import write_report
     from eyas.serve_eval import read_records
 
     report["serve_eval"] = read_records(out / "train")

@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eyas.host import engine_dtype, vllm_env
+
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
     "vllm:spec_decode_num_draft_tokens": "num_draft_tokens",
@@ -65,8 +67,6 @@ def diff_counters(after: dict[str, Any], before: dict[str, Any]) -> dict[str, An
 
 def _engine(spec: dict[str, Any]):
     from vllm import LLM
-
-    from eyas.host import engine_dtype
 
     kw: dict[str, Any] = dict(
         model=spec["target"],
@@ -140,8 +140,6 @@ def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike
     The engine's log goes to `log_path` (a temp file when None); a failure raises
     RuntimeError carrying the log's tail. `env` entries override eyas's engine environment.
     """
-    from eyas.host import vllm_env
-
     # a caller under torchrun (serve-eval from the trainer) must not hand its process-group env to vLLM
     env = {**vllm_env({k: v for k, v in os.environ.items()
                        if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}), **(env or {})}

@@ -18,6 +18,9 @@ import json
 from pathlib import Path
 
 from eyas.config import BenchConfig, Recipe, choices
+from eyas.data import build_mix, data_root
+from eyas.host import machine, machine_line
+from eyas.models import resolve_target
 
 WHATS = choices(BenchConfig, "what")
 
@@ -31,8 +34,6 @@ def _write(out: str, name: str, result) -> None:
 
 def _prompts(cfg) -> Path:
     """--prompts, else the eval split of the recipe's data mix (as `eyas data mix` builds it)."""
-    from eyas.data import build_mix, data_root
-
     if cfg.bench.prompts:
         return Path(cfg.bench.prompts)
     d = cfg.data
@@ -48,9 +49,6 @@ def _conversations(cfg) -> list[list[dict]]:
 
 def cli(cfg: Recipe, actions: list[str]) -> int:
     """`eyas bench WHAT`: the bench section, plus the sections of the stage a bench measures."""
-    from eyas.host import machine, machine_line
-    from eyas.models import resolve_target
-
     what = actions[0] if actions else cfg.bench.what
     if what not in WHATS:
         raise ValueError(f"unknown benchmark {what!r}; choose one of {', '.join(WHATS)}")

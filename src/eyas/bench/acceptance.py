@@ -11,12 +11,14 @@ import random
 from pathlib import Path
 from typing import Any
 
+from eyas.acceptance import measure_acceptance
+from eyas.data import long_context_prompts, read_jsonl
+from eyas.evaluate import format_table
+
 
 def bucket_prompts(target: Path, buckets: list[int], per_bucket: int, seed: int = 0) -> list[dict[str, Any]]:
     """Long-context prompts with domain `ctx-<N>` for every bucket N (prompt tokens)."""
     from transformers import AutoTokenizer
-
-    from eyas.data import long_context_prompts
 
     tok = AutoTokenizer.from_pretrained(str(target))
     out = []
@@ -28,8 +30,6 @@ def bucket_prompts(target: Path, buckets: list[int], per_bucket: int, seed: int 
 
 def domain_prompts(path: Path, per_domain: int, seed: int = 0) -> list[dict[str, Any]]:
     """Up to `per_domain` held-out prompts of each domain, ending with the first user turn."""
-    from eyas.data import read_jsonl
-
     rows = read_jsonl(path)
     random.Random(seed).shuffle(rows)
     by: dict[str, list] = {}
@@ -47,9 +47,6 @@ def domain_prompts(path: Path, per_domain: int, seed: int = 0) -> list[dict[str,
 def bench_acceptance(target: Path, draft: Path, prompts: Path, buckets: list[int], per_bucket: int,
                      per_domain: int, k: int = 3, max_tokens: int = 128) -> dict[str, Any]:
     """One vLLM engine, one batch per domain / bucket; returns the eval report with `per_domain`."""
-    from eyas.acceptance import measure_acceptance
-    from eyas.evaluate import format_table
-
     rows = domain_prompts(prompts, per_domain) + (bucket_prompts(target, buckets, per_bucket) if buckets else [])
     max_len = max([b for b in buckets] + [2048]) + max_tokens + 64
     rep = measure_acceptance(target, draft, rows, k=k, max_tokens=max_tokens, max_model_len=max_len,

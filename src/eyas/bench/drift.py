@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
+from eyas import vllm_runner
+
 NEAR_TIE = 0.5  # nats between the float32 top-1 and top-2: below this a disagreement counts as a near-tie
 
 
 def _vllm_replies(target: Path, prompts: list[list[dict]], max_tokens: int,
                   dtype: str) -> tuple[list[tuple[list, list]], float]:
     """[(prompt ids, generated ids)] from one greedy batch of vLLM at `dtype`, and its tokens/s."""
-    from eyas import vllm_runner
-
     spec = {"target": str(target), "max_tokens": max_tokens, "kv_cache_gib": 2, "max_model_len": 4096,
             "dtype": dtype, "return_texts": False, "return_token_ids": True,
             "batches": [{"name": "drift", "conversations": prompts}]}

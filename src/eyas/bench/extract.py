@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eyas.models import resolve_target
+from eyas.packing import pack_by_length
+
 LARGE_HIDDEN = 7168
 LARGE_AUX = 3
 
@@ -22,7 +25,6 @@ LARGE_AUX = 3
 def bench_conversations(n: int, seed: int = 0) -> list[dict[str, Any]]:
     """`n` two-turn conversations of varied length from Python's own docs (real prose)."""
     import random
-
     from pydoc_data.topics import topics
 
     rng = random.Random(seed)
@@ -47,7 +49,6 @@ def _plain_prefill_tok_s(target: Path, samples: list[dict], compute_dtype: str, 
     from transformers import AutoModelForCausalLM
 
     from eyas.extract.hf import DTYPES, pad_batch
-    from eyas.packing import pack_by_length
 
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=DTYPES[compute_dtype]).eval()
     lengths = [int(s["input_ids"].shape[0]) for s in samples]
@@ -107,7 +108,6 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
     """
     from eyas.extract.backends import make_extractor
     from eyas.extract.base import Renderer, read_conversations, resolve_compute_dtype
-    from eyas.models import resolve_target
 
     target = resolve_target(str(target))
     convs = read_conversations(data, n_samples) if data else bench_conversations(n_samples)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from eyas.models import resolve_target
 from eyas.quant import mxfp4
 from eyas.quant.quantize import ALWAYS_EXCLUDE, classify
 
@@ -43,8 +44,6 @@ def run_bench(target: str | Path, out: str | Path = "", tokens: int = 2048, seq_
               exclude: list[str] | None = None, log=print) -> dict[str, Any]:
     """Perplexity / agreement of MXFP4 vs bf16 weights on `tokens` held-out tokens; quantizer speed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eyas.models import resolve_target
 
     src = resolve_target(str(target))
     tok = AutoTokenizer.from_pretrained(src)

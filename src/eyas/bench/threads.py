@@ -12,11 +12,12 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from eyas import vllm_runner
+from eyas.host import THREAD_LAYOUTS, thread_layout
+
 
 def _synthesis(target: Path, prompts: list[list[dict]], max_tokens: int, env: dict[str, str]) -> float:
     """Generated tokens/s of one offline batch."""
-    from eyas import vllm_runner
-
     spec = {"target": str(target), "max_tokens": max_tokens, "kv_cache_gib": 2, "max_model_len": 2048,
             "return_texts": False, "batches": [{"name": "synth", "conversations": prompts}]}
     b = vllm_runner.run(spec, timeout=1800, env=env)["batches"][0]
@@ -35,8 +36,6 @@ def _serving(target: Path, prompts: list[list[dict]], max_tokens: int, concurren
 def bench_threads(target: Path, prompts: list[list[dict]], concurrency: list[int], max_tokens: int = 128,
                   repeats: int = 2, layouts: list[str] | None = None) -> dict[str, Any]:
     """{"runs": [{layout, repeat, synthesis, serving}], "summary": {layout: medians and ratios to default}}."""
-    from eyas.host import THREAD_LAYOUTS, thread_layout
-
     names = layouts or list(THREAD_LAYOUTS)
     runs = []
     for r in range(repeats):

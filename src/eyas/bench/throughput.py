@@ -13,6 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from eyas.host import engine_dtype
+from eyas.vllm_runner import eagle3_config
+
 
 def _requests(prompts: list[list[dict]], tokenizer, max_tokens: int):
     from vllm.benchmarks.datasets import SampleRequest
@@ -51,9 +54,7 @@ def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]]
     `env` entries override the servers' engine environment (`eyas bench threads`)."""
     from transformers import AutoTokenizer
 
-    from eyas.host import engine_dtype
     from eyas.synth.server import VllmServer
-    from eyas.vllm_runner import eagle3_config
 
     tok = AutoTokenizer.from_pretrained(str(target))
     modes: dict[str, list[str]] = {"baseline": []}

@@ -17,10 +17,16 @@ from typing import Any
 
 import torch
 
+from eyas.draft.ttt import Batch, ttt_loss
+from eyas.draft.vocab import build_draft_vocab, top_n_vocab
+from eyas.models import resolve_target
+from eyas.target import default_layer_ids, text_config
+from eyas.train.data import GlobalBatches, OfflineSource, collate
+from eyas.train.loop import build_draft
+from eyas.train.parallel import resolve_precision
+
 
 def _synthetic(T: int, B: int, n_aux: int, H: int, V: int, seed: int):
-    from eyas.draft.ttt import Batch
-
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, V, (B, T), generator=g)
     mask = torch.rand(B, T, generator=g) < 0.7
@@ -32,13 +38,6 @@ def _synthetic(T: int, B: int, n_aux: int, H: int, V: int, seed: int):
 def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, warmup: int = 1, seq_len: int = 1024,
               device: str = "") -> dict[str, Any]:
     """Print and return tokens/s and seconds per micro-batch for each part (`train_cfg`: a TrainConfig)."""
-    from eyas.draft.ttt import ttt_loss
-    from eyas.draft.vocab import build_draft_vocab, top_n_vocab
-    from eyas.models import resolve_target
-    from eyas.target import default_layer_ids, text_config
-    from eyas.train.loop import build_draft
-    from eyas.train.parallel import resolve_precision
-
     cfg = train_cfg
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -49,8 +48,6 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
     V, H = int(tcfg.vocab_size), int(tcfg.hidden_size)
     src = None
     if features:
-        from eyas.train.data import GlobalBatches, OfflineSource, collate
-
         src = OfflineSource(features, max_len=seq_len)
         layer_ids = src.layer_ids
         vocab = build_draft_vocab(src.ids_masks(), min(cfg.draft_vocab_size, V), V)

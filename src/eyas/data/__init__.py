@@ -14,7 +14,9 @@ from eyas.config import DataConfig, RunConfig
 from eyas.data.normalize import make_record, prompt_key
 from eyas.data.pydoc_prompts import long_context_prompts
 from eyas.data.sources import SOURCES, get_source
+from eyas.data.stats import report
 from eyas.data.store import build_mix, data_root, fetch_source, read_jsonl, write_jsonl
+from eyas.manifest import read_manifest
 
 __all__ = ["SOURCES", "build_mix", "cli", "data_root", "fetch_source", "long_context_prompts", "make_record",
            "prompt_key", "read_jsonl", "write_jsonl"]
@@ -23,9 +25,6 @@ USAGE = "usage: eyas data fetch [NAME...] | eyas data stats FILE|DIR|NAME... | e
 
 
 def cli(d: DataConfig, actions: list[str], run: RunConfig) -> int:
-    from eyas.data.stats import report
-    from eyas.manifest import read_manifest
-
     if not actions or actions[0] not in ("fetch", "stats", "mix", "list"):
         raise ValueError(f"{USAGE}; sources: {', '.join(SOURCES)}")
     action, names = actions[0], actions[1:]

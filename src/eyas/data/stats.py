@@ -8,6 +8,7 @@ from typing import Any
 
 from eyas.data.normalize import Counts
 from eyas.data.sources import SOURCES
+from eyas.data.store import read_jsonl
 
 EDGES = [0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
 
@@ -71,8 +72,6 @@ def stats_paths(arg: str, root: Path) -> list[Path]:
 
 
 def report(arg: str, root: Path) -> str:
-    from eyas.data.store import read_jsonl
-
     out = []
     for path in stats_paths(arg, root):
         counts = Counts()

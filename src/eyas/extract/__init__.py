@@ -27,10 +27,19 @@ from pathlib import Path
 from eyas.config import ExtractConfig, RunConfig, check_choices
 from eyas.extract.backends import extractor_from_config, make_extractor
 from eyas.extract.base import (
-    BACKENDS, COMPUTE_DTYPES, MODES, Extractor, Renderer, read_conversations, resolve_compute_dtype,
+    BACKENDS,
+    COMPUTE_DTYPES,
+    MODES,
+    Extractor,
+    Renderer,
+    read_conversations,
+    resolve_compute_dtype,
 )
+from eyas.manifest import read_manifest, sha256_file
+from eyas.models import resolve_target
 from eyas.stage import output_dir
-from eyas.target import facts as target_facts, resolve_layer_ids
+from eyas.target import facts as target_facts
+from eyas.target import resolve_layer_ids
 
 __all__ = ["BACKENDS", "COMPUTE_DTYPES", "MODES", "Extractor", "Renderer", "cli", "extract", "extractor_from_config",
            "make_extractor", "read_conversations", "resolve_compute_dtype"]
@@ -47,8 +56,6 @@ def extract(cfg: ExtractConfig) -> Path:
     import dataclasses
 
     from eyas.features import FeatureWriter
-    from eyas.manifest import read_manifest, sha256_file
-    from eyas.models import resolve_target
 
     check_choices(cfg, "extract")
     if not cfg.data:

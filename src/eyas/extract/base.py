@@ -8,8 +8,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+from eyas.chat import load_chat_template, load_tokenizer, render_with_mask, template_hash, validate_messages
 from eyas.config import ExtractConfig, choices
-from eyas.target import facts as target_facts, resolve_layer_ids
+from eyas.host import engine_dtype
+from eyas.io import iter_jsonl
+from eyas.manifest import tokenizer_hash
+from eyas.target import facts as target_facts
+from eyas.target import resolve_layer_ids
 
 BACKENDS = choices(ExtractConfig, "backend")
 MODES = choices(ExtractConfig, "mode")
@@ -22,9 +27,6 @@ class Renderer:
     """Conversations -> `input_ids` / `loss_mask` exactly as the serving engine renders them."""
 
     def __init__(self, target: str | os.PathLike, chat_template: str = "", max_len: int = 2048):
-        from eyas.chat import load_chat_template, load_tokenizer, template_hash
-        from eyas.manifest import tokenizer_hash
-
         self.tokenizer = load_tokenizer(target)
         self.template = load_chat_template(target, chat_template, tok=self.tokenizer)
         self.template_hash = template_hash(self.template)
@@ -34,8 +36,6 @@ class Renderer:
     def render(self, conv: dict[str, Any], where: str = "conversation") -> dict[str, Any]:
         """-> {id, input_ids int64 [T], loss_mask bool [T], truncated}; T <= max_len."""
         import torch
-
-        from eyas.chat import render_with_mask, validate_messages
 
         msgs = validate_messages(conv.get("messages"), where)
         r = render_with_mask(self.tokenizer, msgs, self.template, where=where)
@@ -50,8 +50,6 @@ class Renderer:
 
 def read_conversations(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]]:
     """Conversations JSONL `{"id", "domain", "messages"}`; ids must be unique."""
-    from eyas.io import iter_jsonl
-
     p = Path(path)
     out: list[dict[str, Any]] = []
     seen: set[str] = set()
@@ -155,7 +153,5 @@ def resolve_compute_dtype(backend: str, compute_dtype: str) -> str:
     if compute_dtype != "auto":
         return compute_dtype
     if backend == "vllm":
-        from eyas.host import engine_dtype
-
         return {"bfloat16": "bf16", "float32": "fp32"}.get(engine_dtype(), "bf16")
     return "bf16"

@@ -41,6 +41,11 @@ from typing import Any
 import torch
 import zmq
 
+from eyas.config import check_choices
+from eyas.models import resolve_target
+from eyas.target import facts as target_facts
+from eyas.target import resolve_layer_ids
+
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 WIRE_DTYPE = torch.bfloat16
@@ -362,10 +367,7 @@ def _parse_shard(shard: str) -> tuple[int, int]:
 def run_producer(cfg) -> int:
     """`eyas extract --mode streaming --connect ADDR...`: extract and push until done or stopped."""
     from eyas.extract.backends import extractor_from_config
-    from eyas.config import check_choices
     from eyas.extract.base import Renderer, read_conversations
-    from eyas.models import resolve_target
-    from eyas.target import facts as target_facts, resolve_layer_ids
 
     if not cfg.connect:
         raise ValueError("streaming mode needs --connect tcp://HOST:PORT (a StreamConsumer's address)")

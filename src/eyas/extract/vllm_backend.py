@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from eyas.extract.base import Extractor
+from eyas.host import apply_vllm_env
+from eyas.target import read_tensor, text_config, weight_map
 
 CONNECTOR = "EyasHiddenStatesConnector"
 CONNECTOR_MODULE = "eyas.extract.connector"
@@ -43,8 +45,6 @@ CONNECTOR_MODULE = "eyas.extract.connector"
 
 def vllm_cpu_unsupported_reason(target: str | os.PathLike) -> str | None:
     """Why vLLM's CPU attention cannot run `target` (head size), or None when it can / not on CPU."""
-    from eyas.target import text_config
-
     try:
         from vllm.platforms import current_platform
         if not current_platform.is_cpu():
@@ -65,7 +65,6 @@ def load_final_norm(target: str | os.PathLike) -> torch.nn.Module:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from eyas.extract.hf import decoder_layers
-    from eyas.target import read_tensor, weight_map
 
     cfg = AutoConfig.from_pretrained(str(target))
     with torch.device("meta"):
@@ -136,8 +135,6 @@ class VLLMExtractor(Extractor):
         if reason:
             raise ValueError(f"the vllm backend cannot run this target: {reason}; use --backend hf")
         from vllm import LLM, SamplingParams
-
-        from eyas.host import apply_vllm_env
 
         # ids vLLM captures: the wanted ones plus L (pre-norm final state), ascending
         self.vllm_ids = sorted(set(self.layer_ids) | {self.num_layers})

@@ -27,6 +27,7 @@ from safetensors.torch import save_file
 
 from eyas.config import QuantizeConfig, RunConfig, check_choices
 from eyas.manifest import tokenizer_hash, write_manifest
+from eyas.models import resolve_target
 from eyas.quant import mxfp4
 from eyas.stage import claim, output_dir, say_complete
 
@@ -125,8 +126,6 @@ def _copy_side_files(src: Path, dst: Path, config: dict[str, Any]) -> None:
 
 def quantize_model(cfg: QuantizeConfig, log=print) -> dict[str, Any]:
     """Quantize `cfg.model` (a QuantizeConfig) into `cfg.out`; returns its manifest (`out`, `emulated`, counts)."""
-    from eyas.models import resolve_target
-
     check_choices(cfg, "quantize")
     out = output_dir(cfg.out, "--out")
     src = resolve_target(cfg.model)

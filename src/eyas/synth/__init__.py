@@ -32,8 +32,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids, template_hash, validate_messages
 from eyas.config import RunConfig, SynthConfig, check_choices
 from eyas.io import append_jsonl, scan_jsonl
+from eyas.manifest import sha256_file, tokenizer_hash, write_manifest
+from eyas.models import resolve_target
 from eyas.stage import claim, output_dir, say_complete
 from eyas.synth.engines import Completion, EndpointEngine, EngineError, Request, Sampling
 
@@ -85,8 +88,6 @@ def _skip_reason(err: str) -> str:
 
 def load_prompts(path: str, limit: int, turns: str) -> tuple[list[Conv], Counter]:
     """The first `limit` rows of a prompts JSONL as conversations to run, and skip reasons."""
-    from eyas.chat import validate_messages
-
     p = Path(path)
     if not p.exists():
         raise ValueError(f"prompts file {p} does not exist (make one with `eyas data fetch`)")
@@ -142,8 +143,6 @@ def open_engine(cfg: SynthConfig, target: Path):
 
 
 def check_endpoint_template(engine: EndpointEngine, tok, template: str, messages: list[dict[str, str]]) -> None:
-    from eyas.chat import render_prompt_ids
-
     ours = render_prompt_ids(tok, messages, template)
     for url in engine.urls:
         theirs, _ = engine.tokenize_chat(messages, url)
@@ -156,8 +155,6 @@ def check_endpoint_template(engine: EndpointEngine, tok, template: str, messages
 
 def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, max_len: int, on_done) -> None:
     """Generate every point of `convs`, turn index by turn index (one engine call per turn)."""
-    from eyas.chat import render_prompt_ids
-
     sampling = Sampling(cfg.temperature, cfg.top_p)
     for t in range(max(len(c.points) for c in convs)):
         reqs, owners = [], []
@@ -188,9 +185,6 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
 
 
 def _key(cfg: SynthConfig, target: Path, template: str) -> dict[str, Any]:
-    from eyas.chat import template_hash
-    from eyas.manifest import sha256_file, tokenizer_hash
-
     return {"target": str(target.resolve()), "tokenizer_hash": tokenizer_hash(target),
             "chat_template_hash": template_hash(template), "prompts_sha256": sha256_file(cfg.prompts),
             **{k: getattr(cfg, k) for k in KEY_FIELDS}}
@@ -199,10 +193,6 @@ def _key(cfg: SynthConfig, target: Path, template: str) -> dict[str, Any]:
 def synthesize(cfg: SynthConfig, engine=None) -> Path:
     """Run (or resume) synthesis into `cfg.out`; returns the output dir. `engine` overrides the config's."""
     from tqdm import tqdm
-
-    from eyas.chat import load_chat_template, load_tokenizer
-    from eyas.manifest import write_manifest
-    from eyas.models import resolve_target
 
     check_choices(cfg, "synth")
     if not cfg.prompts:

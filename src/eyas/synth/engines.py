@@ -14,6 +14,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from eyas.host import apply_vllm_env, engine_dtype
+
 RETRIES = 5  # tries per request / connection before an endpoint counts as unreachable
 BACKOFF_S = 1.0  # first wait between tries, doubled each time
 TIMEOUT_S = 600.0  # one HTTP request
@@ -54,8 +56,6 @@ class InProcessEngine:
     def __init__(self, model: str, *, max_model_len: int = 2048, kv_cache_gib: float = 2.0, seed: int = 0,
                  enforce_eager: bool = True, dtype: str = "", max_num_seqs: int = 256):
         from vllm import LLM
-
-        from eyas.host import apply_vllm_env, engine_dtype
 
         apply_vllm_env()
         dtype = dtype or engine_dtype()

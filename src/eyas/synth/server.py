@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from eyas.host import engine_dtype, vllm_env
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -33,7 +35,6 @@ class VllmServer:
                  enforce_eager: bool = True, seed: int = 0, port: int | None = None,
                  startup_timeout_s: float = 900.0, log_path: str | os.PathLike | None = None,
                  env: dict[str, str] | None = None, log_stats: bool = False):
-        from eyas.host import engine_dtype, vllm_env
 
         self.model = str(model)
         dtype = dtype or engine_dtype()

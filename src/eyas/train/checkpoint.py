@@ -25,6 +25,7 @@ import torch
 
 from eyas.checkpoints import checkpoints_dir, mark_latest, step_name
 
+
 def _save_rng_state(path: Path) -> None:
     """This rank's torch / numpy / python (/ cuda) RNG states as safetensors (no pickle)."""
     import random

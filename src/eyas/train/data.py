@@ -30,8 +30,8 @@ import torch
 
 from eyas.config import TrainConfig, choices
 from eyas.draft.ttt import Batch
+from eyas.features import open_features
 from eyas.packing import pack_by_length, plan_epoch
-
 
 # ---------------------------------------------------------------------------------------------
 # collate
@@ -74,8 +74,6 @@ class OfflineSource:
     kind = "offline"
 
     def __init__(self, path: str | os.PathLike, max_len: int):
-        from eyas.features import open_features
-
         self.ds = open_features(path)
         self.path = Path(path)
         self.layer_ids: list[int] = list(self.ds.layer_ids)

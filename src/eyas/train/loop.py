@@ -20,13 +20,19 @@ from typing import Any
 
 import torch
 
-from eyas.config import TrainConfig, check_choices
-from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
-from eyas.train import parallel as P
 from eyas.checkpoints import latest_checkpoint
+from eyas.config import TrainConfig, check_choices
+from eyas.draft.model import DraftSpec, Eagle3Draft, draft_config_dict, spec_dict
+from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
+from eyas.draft.ttt import TargetHead, ttt_loss
+from eyas.draft.vocab import DraftVocab, build_draft_vocab
 from eyas.manifest import write_manifest
+from eyas.models import eyas_home, resolve_target
 from eyas.stage import output_dir
+from eyas.target import load_head, text_config
+from eyas.train import parallel as P
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
+from eyas.train.data import collate, open_data
 from eyas.train.metrics import MetricsLogger, format_line, summarize
 
 
@@ -70,9 +76,6 @@ def check_config(cfg: TrainConfig) -> None:
 
 def build_vocab(cfg: TrainConfig, src, vocab_size: int, d: P.Dist):
     """Rank 0 counts (or hits the content-keyed cache); every rank gets the same ids."""
-    from eyas.draft.vocab import DraftVocab, build_draft_vocab
-    from eyas.models import eyas_home
-
     size = min(cfg.draft_vocab_size, vocab_size)
 
     def count():
@@ -146,10 +149,6 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
                 precision: str, d: P.Dist | None = None, timed_head: bool = False) -> Draft:
     """The draft for `target_dir` (embedding copied, deterministic init), AdamW, the lr schedule and the
     target head, on `device`; sharded with FSDP2 when `d` is given."""
-    from eyas.draft.model import DraftSpec, Eagle3Draft
-    from eyas.draft.ttt import TargetHead
-    from eyas.target import load_head
-
     spec = DraftSpec.from_target_config(tcfg, layer_ids, vocab.size, fc_norm=cfg.fc_norm)
     embed, lm_head, tcfg_d = load_head(target_dir)
     model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
@@ -172,10 +171,6 @@ class Trainer:
     checkpoint), then `step` per optimizer step, `save` per checkpoint, `fit` for the loop."""
 
     def __init__(self, cfg: TrainConfig, d: P.Dist, on_checkpoint: CheckpointCallback | None = None):
-        from eyas.models import resolve_target
-        from eyas.target import text_config
-        from eyas.train.data import open_data
-
         self.cfg, self.d, self.on_checkpoint = cfg, d, on_checkpoint
         self.run_dir = Path(cfg.out)
         self.precision = P.resolve_precision(cfg.precision, d.device)
@@ -200,8 +195,6 @@ class Trainer:
             raise
 
     def _build(self, tcfg: Any) -> None:
-        from eyas.draft.model import draft_config_dict, spec_dict
-
         cfg, d, src = self.cfg, self.d, self.src
         if src.hidden_size != tcfg.hidden_size:
             raise ValueError(f"features hidden size {src.hidden_size} != target hidden size {tcfg.hidden_size}: "
@@ -253,9 +246,6 @@ class Trainer:
     # ---- verbs
     def step(self, step: int) -> torch.Tensor | None:
         """One optimizer step (world x grad_accum micro-batches); None when the data ended on some rank."""
-        from eyas.draft.ttt import ttt_loss
-        from eyas.train.data import collate
-
         cfg, d, dr, win = self.cfg, self.d, self.draft, self.win
         t0 = time.perf_counter()
         self.lr = dr.sched(step - 1)
