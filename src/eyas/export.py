@@ -31,11 +31,11 @@ from eyas.draft.contract import (
     validate_draft,
 )
 from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
-from eyas.io import atomic_write_text, read_json
+from eyas.io import atomic_write_text
 from eyas.manifest import read_manifest, sha256_file, sha256_text, tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.stage import claim, say_complete
-from eyas.target import target_embed
+from eyas.target import config_dict, target_embed, text_config_dict
 from eyas.vllm_runner import eagle3_config
 
 # fp8-emulated: the fp8 draft's weights (rounded to E4M3 with its scales) stored back in bf16, for
@@ -76,7 +76,7 @@ def write_draft(
         raise ValueError(f"format {fmt!r}: expected one of {FORMATS}")
     out, target_dir = Path(out), Path(target_dir).resolve()
     claim(out, "export", key, on_change="replace")  # refuses a dir that is not an export; nothing else is deleted
-    target_cfg = read_json(target_dir / "config.json", "the target model dir")
+    target_cfg = text_config_dict(target_dir)  # the language model's (a multimodal wrapper's text_config)
     state = {canonical(n): t.detach().cpu() for n, t in state_dict.items()}
     cfg = build_config(draft_config, target_cfg, state, dtype)
 
@@ -113,7 +113,7 @@ def write_draft(
             tensors[name] = t.to(torch.bfloat16).contiguous()
     if fmt == "speculators":
         tensors = {("layers.0." + n[len(MID) :] if n.startswith(MID) else n): v for n, v in tensors.items()}
-        config = speculators_config(cfg, target_dir, target_cfg, k)
+        config = speculators_config(cfg, target_dir, config_dict(target_dir), k)
     else:
         config = cfg
 

@@ -4,7 +4,8 @@ durably, read strictly), JSON. Nothing here knows a stage.
     atomic_write_text(path, text)   temp file in the same dir, fsync, rename: a kill leaves old or new
     write_jsonl(path, records)      the same for a whole JSONL file
     append_jsonl(path, records)     append + fsync: what returned survives a crash right after
-    iter_jsonl(path, hint)          (line_no, object) of every non-blank line; a bad line is a ValueError
+    iter_jsonl(path, hint, on_bad)  (line_no, object) of every non-blank line; a bad line is a ValueError
+                                    naming file:line, or, with `on_bad`, reported to it and skipped
     scan_jsonl(path)                records of a file this process appends to, a torn last line cut off
 """
 
@@ -14,7 +15,8 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 
 def _tmp_path(path: Path) -> Path:
@@ -59,8 +61,10 @@ def append_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
         os.fsync(f.fileno())
 
 
-def iter_jsonl(path: str | os.PathLike, missing_hint: str = "") -> Iterator[tuple[int, Any]]:
-    """Yield `(line_no, object)`; a missing file or a bad line is a ValueError naming file:line."""
+def iter_jsonl(path: str | os.PathLike, missing_hint: str = "",
+               on_bad: Callable[[int, str], None] | None = None) -> Iterator[tuple[int, Any]]:
+    """Yield `(line_no, object)`; a missing file or a bad line is a ValueError naming file:line
+    (with `on_bad`, a bad line is passed to it as (line_no, error) and skipped)."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{p} does not exist" + (f" ({missing_hint})" if missing_hint else ""))
@@ -69,9 +73,13 @@ def iter_jsonl(path: str | os.PathLike, missing_hint: str = "") -> Iterator[tupl
             if not line.strip():
                 continue
             try:
-                yield n, json.loads(line)
+                rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{n}: not JSON ({e}); fix or delete that line") from None
+                if on_bad is None:
+                    raise ValueError(f"{p}:{n}: not JSON ({e}); fix or delete that line") from None
+                on_bad(n, str(e))
+                continue
+            yield n, rec
 
 
 def scan_jsonl(path: str | os.PathLike, who: str = "eyas") -> list[dict[str, Any]]:

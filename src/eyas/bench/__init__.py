@@ -32,7 +32,7 @@ def _write(out: str, name: str, result) -> None:
         (p / f"bench_{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
-def _prompts(cfg) -> Path:
+def _prompts(cfg: Recipe) -> Path:
     """--prompts, else the eval split of the recipe's data mix (as `eyas data mix` builds it)."""
     if cfg.bench.prompts:
         return Path(cfg.bench.prompts)
@@ -40,7 +40,7 @@ def _prompts(cfg) -> Path:
     return build_mix(d.sources, d.max_per_source, d.seed, d.out or data_root() / "mix", d.eval_fraction)["eval"]
 
 
-def _conversations(cfg) -> list[list[dict]]:
+def _conversations(cfg: Recipe) -> list[list[dict]]:
     """The first user turn(s) of up to `bench.limit` prompts per domain of `_prompts(cfg)`."""
     from eyas.bench.acceptance import domain_prompts
 

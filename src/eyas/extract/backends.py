@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from eyas.config import ExtractConfig
 from eyas.extract.base import BACKENDS, Extractor, resolve_compute_dtype
 
 
@@ -36,7 +37,7 @@ def make_extractor(target: str | os.PathLike, backend: str = "hf", layer_ids: li
     raise ValueError(f"unknown extraction backend {backend!r}: {' | '.join(BACKENDS)}")
 
 
-def extractor_from_config(cfg, target: str | os.PathLike) -> Extractor:
+def extractor_from_config(cfg: ExtractConfig, target: str | os.PathLike) -> Extractor:
     return make_extractor(target, cfg.backend, cfg.layer_ids or None, compute_dtype=cfg.compute_dtype,
                           device=cfg.device, max_len=cfg.max_len, batch_tokens=cfg.batch_tokens,
                           chat_template=cfg.chat_template, kv_cache_gib=cfg.kv_cache_gib)

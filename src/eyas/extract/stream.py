@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import zmq
 
-from eyas.config import check_choices
+from eyas.config import ExtractConfig, check_choices
 from eyas.models import resolve_target
 from eyas.target import facts as target_facts
 from eyas.target import resolve_layer_ids
@@ -364,7 +364,7 @@ def _parse_shard(shard: str) -> tuple[int, int]:
     return i, n
 
 
-def run_producer(cfg) -> int:
+def run_producer(cfg: ExtractConfig) -> int:
     """`eyas extract --mode streaming --connect ADDR...`: extract and push until done or stopped."""
     from eyas.extract.backends import extractor_from_config
     from eyas.extract.base import Renderer, read_conversations

@@ -23,7 +23,6 @@ and a `meta` (finish reasons, token counts), plus `OUT/manifest.json`.
 from __future__ import annotations
 
 import contextlib
-import json
 import sys
 import time
 import zlib
@@ -34,7 +33,7 @@ from typing import Any
 
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids, template_hash, validate_messages
 from eyas.config import RunConfig, SynthConfig, check_choices
-from eyas.io import append_jsonl, scan_jsonl
+from eyas.io import append_jsonl, iter_jsonl, scan_jsonl
 from eyas.manifest import sha256_file, tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.stage import claim, output_dir, say_complete
@@ -86,34 +85,27 @@ def _skip_reason(err: str) -> str:
     return "malformed_message"
 
 
-def load_prompts(path: str, limit: int, turns: str) -> tuple[list[Conv], Counter]:
-    """The first `limit` rows of a prompts JSONL as conversations to run, and skip reasons."""
+def conversations_to_run(path: str, limit: int, turns: str) -> tuple[list[Conv], Counter]:
+    """The prompts JSONL's rows on its first `limit` lines as conversations to run, and the
+    reasons rows were skipped (bad JSON, no id, a repeated id, malformed messages: counted, not fatal)."""
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"prompts file {p} does not exist (make one with `eyas data fetch`)")
     convs, skipped, seen = [], Counter(), set()
-    with open(p) as f:
-        for n, line in enumerate(f):
-            if limit and n >= limit:
-                break
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                skipped["invalid_json"] += 1
-                continue
-            if not isinstance(rec, dict) or rec.get("id") in (None, ""):
-                skipped["missing_id"] += 1
-                continue
-            if str(rec["id"]) in seen:
-                skipped["duplicate_id"] += 1
-                continue
-            seen.add(str(rec["id"]))
-            try:
-                validate_messages(rec.get("messages"), f"{p}:{n + 1}")
-            except ValueError as e:
-                skipped[_skip_reason(str(e))] += 1
-                continue
-            convs.append(Conv(rec, plan_points(rec["messages"], turns)))
+    for n, rec in iter_jsonl(p, "make one with `eyas data fetch`", on_bad=lambda n, e: skipped.update(["invalid_json"])):
+        if limit and n > limit:
+            break
+        if not isinstance(rec, dict) or rec.get("id") in (None, ""):
+            skipped["missing_id"] += 1
+            continue
+        if str(rec["id"]) in seen:
+            skipped["duplicate_id"] += 1
+            continue
+        seen.add(str(rec["id"]))
+        try:
+            validate_messages(rec.get("messages"), f"{p}:{n}")
+        except ValueError as e:
+            skipped[_skip_reason(str(e))] += 1
+            continue
+        convs.append(Conv(rec, plan_points(rec["messages"], turns)))
     return convs, skipped
 
 
@@ -207,7 +199,7 @@ def synthesize(cfg: SynthConfig, engine=None) -> Path:
         say_complete("synth", out, f"{o.manifest['counts']['ok']} conversations")
         return out
 
-    convs, input_skips = load_prompts(cfg.prompts, cfg.limit, cfg.turns)
+    convs, input_skips = conversations_to_run(cfg.prompts, cfg.limit, cfg.turns)
     done = {str(r["id"]) for r in scan_jsonl(out / OUT_FILE, "eyas synth")} | {str(r["id"]) for r in scan_jsonl(out / SKIP_FILE, "eyas synth")}
     todo = [c for c in convs if c.id not in done]
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "seed": cfg.seed}

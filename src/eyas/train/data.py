@@ -19,7 +19,6 @@ repeating or skipping data, and 1 rank x accum 2 sees exactly what 2 ranks x acc
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import torch
 from eyas.config import TrainConfig, choices
 from eyas.draft.ttt import Batch
 from eyas.features import open_features
+from eyas.io import iter_jsonl
 from eyas.packing import pack_by_length, plan_epoch
 
 # ---------------------------------------------------------------------------------------------
@@ -125,28 +125,22 @@ class OnlineSource:
         self.target = str(target)
 
     def _read(self, limit: int) -> list[dict[str, Any]]:
-        if not self.path.exists():
-            raise ValueError(f"online source: {self.path} does not exist (conversations JSONL or tokenized JSONL)")
         out = []
-        with open(self.path) as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                rec = json.loads(line)
-                rec.setdefault("id", f"line{n}")
-                if "input_ids" in rec:
-                    ids = torch.tensor(rec["input_ids"][: self.max_len], dtype=torch.int64)
-                    mask = torch.tensor(rec.get("loss_mask", [1] * len(rec["input_ids"]))[: self.max_len]).bool()
-                    s = {"id": str(rec["id"]), "input_ids": ids, "loss_mask": mask}
-                elif "messages" in rec:
-                    r = self.extractor.renderer.render(rec, where=f"{self.path}:{n}")
-                    s = {"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
-                else:
-                    raise ValueError(f"{self.path}:{n}: expected 'messages' or 'input_ids'")
-                if bool(s["loss_mask"].any()):
-                    out.append(s)
-                if limit and len(out) >= limit:
-                    break
+        for n, rec in iter_jsonl(self.path, "online source: a conversations JSONL or a tokenized JSONL"):
+            rec.setdefault("id", f"line{n}")
+            if "input_ids" in rec:
+                ids = torch.tensor(rec["input_ids"][: self.max_len], dtype=torch.int64)
+                mask = torch.tensor(rec.get("loss_mask", [1] * len(rec["input_ids"]))[: self.max_len]).bool()
+                s = {"id": str(rec["id"]), "input_ids": ids, "loss_mask": mask}
+            elif "messages" in rec:
+                r = self.extractor.renderer.render(rec, where=f"{self.path}:{n}")
+                s = {"id": r["id"], "input_ids": r["input_ids"], "loss_mask": r["loss_mask"]}
+            else:
+                raise ValueError(f"{self.path}:{n}: expected 'messages' or 'input_ids'")
+            if bool(s["loss_mask"].any()):
+                out.append(s)
+            if limit and len(out) >= limit:
+                break
         if not out:
             raise ValueError(f"{self.path}: no sample with a loss token")
         return out
@@ -166,7 +160,7 @@ class OnlineSource:
                 "layer_ids": self.layer_ids}
 
 
-def open_source(cfg, target_dir: str | os.PathLike, device: str = "cpu") -> OfflineSource | OnlineSource:
+def open_source(cfg: TrainConfig, target_dir: str | os.PathLike, device: str = "cpu") -> OfflineSource | OnlineSource:
     """The indexed source named by `cfg.source` (a TrainConfig)."""
     if not cfg.features:
         raise ValueError("no training data: pass --features FEAT_DIR (offline) or a conversations JSONL (online)")
@@ -377,7 +371,7 @@ class StreamData:
         self.src.close()
 
 
-def open_data(cfg, target_dir: str | os.PathLike, rank: int, device: str = "cpu"):
+def open_data(cfg: TrainConfig, target_dir: str | os.PathLike, rank: int, device: str = "cpu"):
     """(source, step data) for `cfg.source`."""
     if cfg.source == "streaming":
         if not cfg.features:
