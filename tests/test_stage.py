@@ -80,3 +80,11 @@ def test_feature_writer_keeps_what_it_did_not_write(tmp_path):
     (tmp_path / "new" / "shard-00000.safetensors").write_bytes(b"torn")  # a kill between shard and manifest
     assert FeatureWriter(tmp_path / "new", header).removed == ["shard-00000.safetensors"]
     assert w.shards == []
+
+
+def test_run_refuses_a_foreign_out_before_any_stage(tmp_path):
+    from eyas.cli import main
+
+    (tmp_path / "notes.txt").write_text("mine")
+    assert main(["run", "--out", str(tmp_path), "models.check=false"]) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

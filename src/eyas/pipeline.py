@@ -27,6 +27,7 @@ from eyas.host import machine
 from eyas.manifest import write_manifest
 from eyas.models import resolve_target
 from eyas.report import write_report
+from eyas.stage import claim, output_dir
 
 
 @contextlib.contextmanager
@@ -55,8 +56,10 @@ def _train(cfg: Recipe, nproc: int) -> None:
 
 def run(cfg: Recipe) -> dict[str, Any]:
     cfg = copy.deepcopy(cfg)
-    out = Path(cfg.run.out).resolve()
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(cfg.run.out, "--out").resolve()
+    key = to_dict(cfg)  # the recipe as given; each stage claims its own subdir with its own key
+    claim(out, "run", key, on_change="replace")  # a new dir or a run dir: never a foreign folder
+    write_manifest(out, "run", cfg, key=key, complete=False)
     timings: dict[str, float] = {}
     report: dict[str, Any] = {"name": out.name, "config": to_dict(cfg)}
 
@@ -125,7 +128,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
     report["serve_command"] = serve_command(quark_target, draft, cfg.eval.k, quantized=cfg.run.quantized_target,
                                             emulated=serve_target)
     paths_out = write_report(out, report)
-    write_manifest(out, "run", cfg, complete=True, timings=timings, report=str(paths_out["json"]))
+    write_manifest(out, "run", cfg, key=key, complete=True, timings=timings, report=str(paths_out["json"]))
     print(f"\neyas run: acceptance length {report['eval'].get('acceptance_length', float('nan')):.3f} "
           f"(k={cfg.eval.k}); report {paths_out['md']}")
     print("serve it with:\n  " + report["serve_command"])

@@ -1,7 +1,7 @@
 """The end-of-run report: `report.json`, `report.md` and plots (matplotlib, Agg).
 
 Inputs are plain dicts produced by the stages (no recomputation here):
-- `eval`: `eyas.evaluate.measure_acceptance`'s report: `{"acceptance_length", "k", "per_pos": [...],
+- `eval`: `eyas.acceptance.measure_acceptance`'s report: `{"acceptance_length", "k", "per_pos": [...],
   "domains": {domain: {"acceptance_length", "n", "tokens_per_s", ...}}, "tokens_per_s"}`
 - `serve_eval`: `[{"step", "true_al", "est_al", "eval_seconds"}, ...]`
 - `throughput`: `[{"concurrency", "baseline_tokens_per_s", "spec_tokens_per_s", "speedup"}, ...]`
