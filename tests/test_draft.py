@@ -13,8 +13,8 @@ import torch
 from eyas.draft.model import DraftSpec, Eagle3Draft, draft_config_dict
 from eyas.draft.ttt import Batch, TargetHead, step_masks, ttt_loss
 from eyas.draft.unroll import ttt_mask, unroll
-from eyas.target import load_head as load_target_head
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, check_vocab, top_n_vocab
+from eyas.target import load_head as load_target_head
 
 VLLM_KEYS = {
     "fc.weight", "midlayer.hidden_norm.weight", "midlayer.input_layernorm.weight",
@@ -133,9 +133,9 @@ def test_vocab_counts_only_loss_tokens_and_caches_by_content(tmp_path):
         c.add(torch.tensor([10]), torch.tensor([True]))
     v1 = build_draft_vocab(zip(ids, masks), 3, 10, cache_dir=tmp_path)
     assert v1.draft_ids.tolist() == [3, 4, 5]
-    assert len(list(tmp_path.glob("draft_vocab_*.pt"))) == 1
+    assert len(list(tmp_path.glob("draft_vocab_*.safetensors"))) == 1
     v2 = build_draft_vocab(zip(ids, masks), 3, 10, cache_dir=tmp_path)  # same content: cache hit
-    assert v2.key == v1.key and len(list(tmp_path.glob("draft_vocab_*.pt"))) == 1
+    assert v2.key == v1.key and len(list(tmp_path.glob("draft_vocab_*.safetensors"))) == 1
     masks2 = [masks[0], torch.tensor([0, 0, 1]).bool()]  # same ids, other mask: another key
     v3 = build_draft_vocab(zip(ids, masks2), 3, 10, cache_dir=tmp_path)
     assert v3.key != v1.key and v3.draft_ids.tolist() == [3, 4, 6]

@@ -274,8 +274,8 @@ def test_vllm_quark_config_accepts(quantized_llama, tiny_moe, tmp_path, monkeypa
 
 
 def test_cli_and_bench(tiny_llama, tmp_path, capsys):
-    from eyas.cli import main
     from eyas.bench.quant import run_bench
+    from eyas.cli import main
 
     out = tmp_path / "q"
     argv = ["quantize", "--model", str(tiny_llama), "--out", str(out), "--exclude", "re:.*o_proj",

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_draft import VLLM_KEYS  # the golden list of names vLLM's llama_eagle3 loads
 
 from eyas.config import ExtractConfig, TrainConfig
-from test_draft import VLLM_KEYS  # the golden list of names vLLM's llama_eagle3 loads
 
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -146,9 +146,9 @@ def test_collate_pads_right(tiny_data):
 
 
 def test_train_checkpoint_and_load_draft_state(tiny_data, tmp_path):
+    from eyas.checkpoints import latest_checkpoint, load_draft_state
     from eyas.draft.vocab import check_vocab
     from eyas.train import train
-    from eyas.checkpoints import latest_checkpoint, load_draft_state
 
     run = tmp_path / "run"
     s = train(_cfg(tiny_data, run, max_steps=4, save_every=2))
@@ -333,9 +333,9 @@ def test_streaming_source_trains_until_the_stream_ends(tiny_data, tmp_path):
 
 
 def test_unfrozen_embedding_and_fc_norm_train(tiny_data, tmp_path):
+    from eyas.checkpoints import load_draft_state
     from eyas.target import load_head as load_target_head
     from eyas.train import train
-    from eyas.checkpoints import load_draft_state
 
     run = tmp_path / "run"
     train(_cfg(tiny_data, run, max_steps=2, freeze_embed=False, fc_norm=True))
@@ -345,8 +345,8 @@ def test_unfrozen_embedding_and_fc_norm_train(tiny_data, tmp_path):
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tiny_data, tmp_path):
-    from eyas.train import train
     from eyas.checkpoints import load_draft_state
+    from eyas.train import train
 
     run = tmp_path / "run"
     s = train(_cfg(tiny_data, run, max_steps=3, precision="bf16"))

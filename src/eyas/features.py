@@ -31,6 +31,7 @@ import torch
 
 from eyas.config import ExtractConfig, choices
 from eyas.fp8 import dequantize_fp8, quantize_fp8
+from eyas.io import atomic_path
 from eyas.manifest import read_manifest, sha256_file, write_manifest
 from eyas.stage import claim
 
@@ -93,14 +94,8 @@ def _fsync_dir(path: Path) -> None:
 def write_shard_atomic(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> None:
     from safetensors.torch import save_file
 
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    save_file(tensors, str(tmp), metadata=meta)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # safetensors creates 0600 files
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
     _fsync_dir(path.parent)
 
 

@@ -1,7 +1,8 @@
 """Files every stage writes and reads: atomic text, JSONL (written atomically, appended
 durably, read strictly), JSON. Nothing here knows a stage.
 
-    atomic_write_text(path, text)   temp file in the same dir, fsync, rename: a kill leaves old or new
+    atomic_path(path)               a temp path beside `path` to write; fsynced and renamed over it on success
+    atomic_write_text(path, text)   the same for text: a kill leaves the old file or the new one
     write_jsonl(path, records)      the same for a whole JSONL file
     append_jsonl(path, records)     append + fsync: what returned survives a crash right after
     iter_jsonl(path, hint, on_bad)  (line_no, object) of every non-blank line; a bad line is a ValueError
@@ -11,43 +12,49 @@ durably, read strictly), JSON. Nothing here knows a stage.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
-from pathlib import Path
 from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 
-def _tmp_path(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp.{os.getpid()}")
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temp path beside `path` (`.NAME.tmp.PID`) for the caller to write. When the block
+    ends, the file is made readable as a plain file would be (0666 less the umask: safetensors
+    writes 0600), fsynced and renamed over `path`; when it raises, the temp file is removed."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    try:
+        yield tmp
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` so that a kill leaves either the old file or the new one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
 
 
 def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
     """Atomic like `atomic_write_text`, streamed. Returns the record count."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = _tmp_path(path)
     n = 0
-    with open(tmp, "w", encoding="utf-8") as f:
+    with atomic_path(path) as tmp, open(tmp, "w", encoding="utf-8") as f:
         for rec in records:
             f.write(json.dumps(rec, ensure_ascii=False) + "\n")
             n += 1
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
     return n
 
 

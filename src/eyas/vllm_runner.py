@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.host import engine_dtype, vllm_env
+from eyas.io import atomic_write_text
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -118,9 +119,7 @@ def main(spec_path: str, result_path: str) -> None:
         if spec.get("return_token_ids"):
             result["batches"][-1].update(prompt_token_ids=[list(o.prompt_token_ids) for o in outs],
                                          token_ids=[list(o.outputs[0].token_ids) for o in outs])
-    tmp = Path(result_path).with_suffix(".tmp")
-    tmp.write_text(json.dumps(result))
-    os.replace(tmp, result_path)
+    atomic_write_text(result_path, json.dumps(result))
 
 
 def root_causes(log_text: str, n: int = 8) -> str:

@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from eyas.io import atomic_path
+
 VERSION = 1
 
 
@@ -58,16 +60,21 @@ class DraftVocab:
         }
 
     def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-        torch.save({"draft_ids": self.draft_ids, **self.info(), "version": VERSION}, tmp)
-        os.replace(tmp, path)
+        """safetensors: the ids as a tensor, the rest as JSON metadata (nothing is unpickled on load)."""
+        from safetensors.torch import save_file
+
+        with atomic_path(path) as tmp:
+            save_file({"draft_ids": self.draft_ids.contiguous()}, str(tmp),
+                      metadata={"info": json.dumps(self.info()), "version": str(VERSION)})
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DraftVocab:
-        d = torch.load(path, map_location="cpu", weights_only=True)
-        v = cls(d["draft_ids"], d["vocab_size"], d["coverage"], d["num_tokens"], d["num_seen"], d["key"])
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            d = json.loads(f.metadata()["info"])
+            ids = f.get_tensor("draft_ids")
+        v = cls(ids, d["vocab_size"], d["coverage"], d["num_tokens"], d["num_seen"], d["key"])
         check_vocab(v.d2t, v.t2d, v.vocab_size)
         return v
 
@@ -152,13 +159,13 @@ def build_draft_vocab(
     v = top_n_vocab(counter.counts, size, key)
     check_vocab(v.d2t, v.t2d, vocab_size)
     if cache is not None:
-        v.save(cache / f"draft_vocab_{key}.pt")
+        v.save(cache / f"draft_vocab_{key}.safetensors")
         (cache / f"draft_vocab_{key}.json").write_text(json.dumps(v.info(), indent=2) + "\n")
     return v
 
 
 def _cached(cache: Path, key: str) -> DraftVocab | None:
-    p = cache / f"draft_vocab_{key}.pt"
+    p = cache / f"draft_vocab_{key}.safetensors"
     if not p.exists():
         return None
     v = DraftVocab.load(p)

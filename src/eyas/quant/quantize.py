@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import shutil
 import sys
@@ -26,6 +25,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eyas.config import QuantizeConfig, RunConfig, check_choices
+from eyas.io import atomic_path
 from eyas.manifest import tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.quant import mxfp4
@@ -110,9 +110,8 @@ def _shards(src: Path) -> list[str]:
 
 
 def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
 
 
 def _copy_side_files(src: Path, dst: Path, config: dict[str, Any]) -> None:
