@@ -76,3 +76,24 @@ def test_python_m_eyas_help():
     assert out.returncode == 0
     for stage in ["models", "data", "synth", "extract", "train", "eval", "export", "quantize", "bench", "run", "config"]:
         assert stage in out.stdout
+
+
+def test_one_definition_per_fact(tmp_path):
+    """k and the eval prompts live in the eval section; their old places still set them there.
+    A stage section without a target takes run.target; a choice outside a Literal is refused at load."""
+    from eyas.cli import build_parser, resolve
+
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("run: {target: /t}\nexport: {k: 4}\ntrain: {eval_prompts: /p.jsonl}\n")
+    cfg = C.load_recipe(str(recipe))
+    assert cfg.eval.k == 4 and cfg.eval.prompts == "/p.jsonl" and not hasattr(cfg.export, "k")
+    assert [cfg.synth.target, cfg.train.target, cfg.eval.target, cfg.export.target] == ["/t", "/t", "/t", ""]
+    assert C.load_recipe(str(recipe), ["bench.k=5"]).eval.k == 5
+    args = build_parser().parse_args(["export", "--recipe", str(recipe), "--k", "2", "run.target=/u"])
+    cfg, _ = resolve(args, "export")
+    assert cfg.eval.k == 2 and cfg.train.target == "/u"  # run.target set late still reaches the sections
+    with pytest.raises(ValueError, match=r"extract.backend: 'foo' is not one of hf \| vllm"):
+        C.load_recipe(str(recipe), ["extract.backend=foo"])
+    bad = C.ExportConfig(dtype="fp4")  # built in code: the stage checks it with the same rule
+    with pytest.raises(ValueError, match=r"export.dtype: 'fp4' is not one of bf16 \| fp8 \| fp8-emulated"):
+        C.check_choices(bad, "export")

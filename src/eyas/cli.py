@@ -30,7 +30,7 @@ STAGES: dict[str, tuple[str, tuple[str, ...] | None, str, str]] = {
     "train": ("train", ("train", "eval"), "eyas.serve_eval:train_cli",
               "stage 3: cold-start FSDP2 training of the EAGLE-3 head (TTT loss), serve-evaluated with eval.*"),
     "eval": ("eval", ("eval",), "eyas.evaluate:cli", "stage 4: true acceptance length under vLLM speculative decoding"),
-    "export": ("export", ("export",), "eyas.export:cli",
+    "export": ("export", ("export", "eval"), "eyas.export:cli",
                "stage 5: export a vLLM-ready draft (bf16 / fp8, vllm / speculators)"),
     "quantize": ("quantize", ("quantize",), "eyas.quant:cli", "MXFP4 (OCP MX) quantization of the target in Quark's format"),
     "bench": ("bench", None, "eyas.bench:cli", "benchmarks (`bench al|throughput|extract|train|quant|drift|threads`)"),
@@ -45,6 +45,9 @@ def _flag(name: str) -> str:
 def _add_section_flags(p: argparse.ArgumentParser, section: str) -> None:
     cls = C.SECTIONS[section]
     hints = typing.get_type_hints(cls)
+    for (sec, key), (to_sec, to_key) in C.ALIASES.items():  # moved keys keep their flags
+        if sec == section:
+            p.add_argument(_flag(key), dest=f"cfg__{key}", default=None, help=f"{to_sec}.{to_key} (moved there)")
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
         doc = f"{section}.{f.name} (default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()})"  # type: ignore[misc]
@@ -79,7 +82,7 @@ def resolve(args: argparse.Namespace, section: str | None) -> tuple[C.Recipe, li
     cfg = C.read_recipe(args.recipe)
     if section is not None:
         values = {k[5:]: v for k, v in vars(args).items() if k.startswith("cfg__") and v is not None}
-        C.update_section(getattr(cfg, section), values, f"--flags of {section}")
+        C.set_values(cfg, section, values, f"--flags of {section}")
     for ov in overrides:
         C.apply_override(cfg, ov, default_section=section)
     return C.finalize(cfg), actions

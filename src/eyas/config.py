@@ -110,7 +110,6 @@ class TrainConfig:
     log_every: int = 10
     save_every: int = 100
     eval_every: int = 0  # serve-eval every N steps (0: only at the end), measured with the eval section
-    eval_prompts: str = ""  # deprecated: eval.prompts (a recipe that sets this sets eval.prompts)
     eval_limit: int = 16  # serve-eval on the first N prompts of eval.prompts (0: all)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     fc_norm: bool = False
@@ -134,7 +133,6 @@ class ExportConfig:
     dtype: Literal["bf16", "fp8", "fp8-emulated"] = "bf16"  # fp8-emulated: fp8-rounded weights stored as bf16, for vLLM CPU
     verify: bool = False  # reload the draft in vLLM with the target and decode a few tokens speculatively
     target: str = ""  # default: the target recorded in the checkpoint (not run.target)
-    k: int = 3  # num_speculative_tokens for --verify, the serve command and the speculators config
     keep_embed: bool = False  # keep embed_tokens even when it equals the target's
 
 
@@ -144,8 +142,8 @@ class EvalConfig:
 
     target: str = ""  # default: run.target
     draft: str = ""
-    prompts: str = ""
-    k: int = 3
+    prompts: str = ""  # held-out {"id", "domain", "messages"} JSONL (serve-eval's too)
+    k: int = 3  # num_speculative_tokens: measured here and in serve-eval, written by export, served by bench
     max_tokens: int = 128
     limit: int = 0
     temperature: float = 0.0
@@ -181,7 +179,6 @@ class BenchConfig:
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 6144])  # prompt tokens
     per_bucket: int = 4
-    k: int = 3
     max_tokens: int = 128
     limit: int = 16  # prompts per domain
 
@@ -211,6 +208,13 @@ class Recipe:
 
 
 SECTIONS: dict[str, type] = typing.get_type_hints(Recipe)
+
+# Keys that moved, so older recipes, overrides and flags keep working: section.key -> where it lives now.
+ALIASES: dict[tuple[str, str], tuple[str, str]] = {
+    ("export", "k"): ("eval", "k"),
+    ("bench", "k"): ("eval", "k"),
+    ("train", "eval_prompts"): ("eval", "prompts"),
+}
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -273,6 +277,18 @@ def update_section(obj: Any, values: dict[str, Any], where: str) -> None:
         setattr(obj, key, _coerce(value, hints[key], f"{where}.{key}"))
 
 
+def set_values(cfg: Recipe, section: str, values: dict[str, Any], where: str) -> None:
+    """`update_section` on a recipe's section, with moved keys (ALIASES) set where they live now."""
+    own = {}
+    for key, value in values.items():
+        if (section, key) in ALIASES:
+            to_section, to_key = ALIASES[(section, key)]
+            update_section(getattr(cfg, to_section), {to_key: value}, f"{where} ({section}.{key} is {to_section}.{to_key})")
+        else:
+            own[key] = value
+    update_section(getattr(cfg, section), own, where)
+
+
 def choices(section: type, name: str) -> tuple[str, ...]:
     """The values a `Literal[...]` field of a section accepts (one definition: the annotation)."""
     return typing.get_args(typing.get_type_hints(section)[name])
@@ -294,13 +310,11 @@ INHERITS_TARGET = ("models", "synth", "extract", "train", "eval", "bench")  # ex
 
 def finalize(cfg: Recipe) -> Recipe:
     """The run's shared facts, applied once after every override: a stage section without a
-    `target` takes `run.target`; the deprecated `train.eval_prompts` fills `eval.prompts`."""
+    `target` takes `run.target`; every Literal field holds one of its values."""
     for name in INHERITS_TARGET:
         sec = getattr(cfg, name)
         if not sec.target:
             sec.target = cfg.run.target
-    if cfg.train.eval_prompts and not cfg.eval.prompts:
-        cfg.eval.prompts = cfg.train.eval_prompts
     for name in SECTIONS:
         check_choices(getattr(cfg, name), name)
     return cfg
@@ -344,7 +358,7 @@ def read_recipe(recipe: str | None = None) -> Recipe:
                 raise ValueError(f"{path}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
             if not isinstance(values, dict):
                 raise ValueError(f"{path}: section {section!r} must be a mapping of keys")
-            update_section(getattr(cfg, section), values, f"{path.name}:{section}")
+            set_values(cfg, section, values, f"{path.name}:{section}")
     return cfg
 
 
@@ -362,7 +376,7 @@ def apply_override(cfg: Recipe, override: str, default_section: str | None = Non
     if section not in SECTIONS:
         raise ValueError(f"override {override!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
     value = yaml.safe_load(raw) if raw != "" else ""
-    update_section(getattr(cfg, section), {name: value}, f"override {section}")
+    set_values(cfg, section, {name: value}, f"override {section}")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from eyas.acceptance import measure_acceptance
 from eyas.checkpoints import load_draft_state, resolve_checkpoint
-from eyas.config import ExportConfig, RunConfig, choices
+from eyas.config import EvalConfig, ExportConfig, RunConfig, choices
 from eyas.draft.contract import (
     LINEARS,
     MID,
@@ -253,33 +253,34 @@ def _checkpoint_hash(ckpt_dir: Path) -> str:
     return sha256_text("\n".join(parts))
 
 
-def export_run(e: ExportConfig, verify: bool | None = None) -> Path:
-    """ExportConfig -> the draft dir (RUN/checkpoints/<e.checkpoint> exported, validated, optionally proven)."""
+def export_run(e: ExportConfig, k: int, verify: bool | None = None) -> Path:
+    """ExportConfig -> the draft dir (RUN/checkpoints/<e.checkpoint> exported, validated, optionally proven);
+    k: num_speculative_tokens (eval.k) for the speculators config and --verify."""
     if not e.run:
         raise ValueError("eyas export needs --run RUN (a training run dir with checkpoints/)")
     run_dir = Path(e.run)
     out = Path(e.out) if e.out else run_dir / "draft"
     ckpt = resolve_checkpoint(run_dir, e.checkpoint)
-    draft = export_checkpoint(ckpt, out, e.target, e.dtype, e.format, e.keep_embed, e.k)
+    draft = export_checkpoint(ckpt, out, e.target, e.dtype, e.format, e.keep_embed, k)
     print(f"eyas export: {ckpt} -> {draft} ({e.format}, {e.dtype})", file=sys.stderr)
     if e.verify if verify is None else verify:
         man = read_manifest(draft) or {}
-        rep = verify_draft(draft, man["target"], k=e.k)
+        rep = verify_draft(draft, man["target"], k=k)
         man["verified"] = {x: rep[x] for x in ("acceptance_length", "num_drafts", "num_draft_tokens", "load_seconds")}
         atomic_write_text(draft / "manifest.json", json.dumps(man, indent=2) + "\n")
         print(f"eyas export: vLLM loaded and ran the draft (AL {rep['acceptance_length']:.3f})", file=sys.stderr)
     return draft
 
 
-def cli(e: ExportConfig, actions: list[str], run: RunConfig) -> int:
+def cli(e: ExportConfig, ev: EvalConfig, actions: list[str], run: RunConfig) -> int:
     """`eyas export --run RUN --out DRAFT [--checkpoint best|latest|step_N] [--format] [--dtype] [--verify]`."""
     if actions:
         raise ValueError(f"eyas export takes no actions, got {actions}")
-    draft = export_run(e)
+    draft = export_run(e, ev.k)
     man = read_manifest(draft) or {}
     target = man.get("target", "")
     quark = (read_manifest(Path(target)) or {}).get("quantized") if target else None  # an `--emulate` copy
-    print(serve_command(quark or target, draft, e.k, quantized=bool(quark), emulated=target))
+    print(serve_command(quark or target, draft, ev.k, quantized=bool(quark), emulated=target))
     print(json.dumps({"draft": str(draft), "checkpoint": man.get("checkpoint"), **man.get("validated", {}),
                       **({"verified": man["verified"]} if "verified" in man else {})}))
     return 0

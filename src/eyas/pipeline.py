@@ -105,7 +105,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
     with _stage(timings, "export"):
         x = cfg.export
         x.run, x.out, x.target = str(out / "train"), str(out / "draft"), str(serve_target)
-        draft = Path(export_run(x))
+        draft = Path(export_run(x, cfg.eval.k))
 
     with _stage(timings, "eval"):
         v = cfg.eval

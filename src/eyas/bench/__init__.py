@@ -61,11 +61,11 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
         from eyas.bench.acceptance import bench_acceptance
 
         res = bench_acceptance(target, Path(b.draft), _prompts(cfg), b.context_buckets, b.per_bucket, b.limit,
-                               b.k, b.max_tokens)
+                               cfg.eval.k, b.max_tokens)
     elif what == "throughput":
         from eyas.bench.throughput import bench_throughput
 
-        res = bench_throughput(target, Path(b.draft), _conversations(cfg), b.concurrency, b.max_tokens, b.k)
+        res = bench_throughput(target, Path(b.draft), _conversations(cfg), b.concurrency, b.max_tokens, cfg.eval.k)
         print(json.dumps(res, indent=2))
     elif what == "extract":
         from eyas.bench.extract import run_bench
