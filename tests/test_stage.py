@@ -88,3 +88,22 @@ def test_run_refuses_a_foreign_out_before_any_stage(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     assert main(["run", "--out", str(tmp_path), "models.check=false"]) == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_lengths_travel_with_the_artifacts(tmp_path):
+    """extract.max_len and train.max_len default to what made their input (one definition: synth's)."""
+    from eyas.config import ExtractConfig, SynthConfig, TrainConfig
+    from eyas.extract.base import resolve_lengths as extract_lengths
+    from eyas.train.loop import resolve_lengths as train_lengths
+
+    synth = tmp_path / "synth"
+    write_manifest(synth, "synth", SynthConfig(max_model_len=300), complete=True)
+    conv = synth / "conversations.jsonl"
+    assert extract_lengths(ExtractConfig(data=str(conv))).max_len == 300
+    assert extract_lengths(ExtractConfig(data=str(conv), max_len=100)).max_len == 100  # given wins
+    assert extract_lengths(ExtractConfig(data=str(tmp_path / "mine.jsonl"))).max_len == 2048  # not eyas-made
+    feats = tmp_path / "feats"
+    write_manifest(feats, "extract", None, max_len=300, complete=True)
+    assert train_lengths(TrainConfig(features=str(feats))).max_len == 300
+    assert train_lengths(TrainConfig(features=str(conv), source="online")).max_len == 300
+    assert train_lengths(TrainConfig(features="tcp://x:1", source="streaming")).max_len == 2048

@@ -71,7 +71,7 @@ class ExtractConfig:
     mode: Literal["offline", "online", "streaming"] = "offline"
     layer_ids: list[int] = field(default_factory=list)  # empty: (2, L//2, L-3)
     dtype: Literal["bf16", "fp8"] = "bf16"  # storage
-    max_len: int = 2048
+    max_len: int = 0  # tokens per conversation; 0: the synthesis' max_model_len (its manifest), else 2048
     samples_per_shard: int = 64
     limit: int = 0
     verify: str = ""  # a feature dir to verify instead of extracting
@@ -105,7 +105,7 @@ class TrainConfig:
     grad_clip: float = 0.5
     grad_accum: int = 1
     token_budget: int = 4096  # tokens per micro-batch per rank
-    max_len: int = 2048
+    max_len: int = 0  # tokens per sample; 0: the features' max_len (online: the synthesis' max_model_len), else 2048
     seed: int = 0
     log_every: int = 10
     save_every: int = 100

@@ -83,6 +83,23 @@ def claim(out: Path, stage: str, key: Any, on_change: str = "refuse",
     return Output(out, man)
 
 
+def input_manifest(path: str | Path) -> dict[str, Any] | None:
+    """The manifest of the artifact `path` belongs to: a dir's own, or a file's dir's
+    (conversations.jsonl -> the synth dir's manifest); None for input eyas did not make."""
+    p = Path(path)
+    return read_manifest(p if p.is_dir() else p.parent) if str(path) else None
+
+
+def inherited(value: int, path: str | Path, stage: str, field: str, default: int) -> int:
+    """A setting a stage takes from its input artifact unless it is given one (`value` > 0):
+    `field` of the input's manifest when `stage` made it, else `default`."""
+    if value > 0:
+        return value
+    man = input_manifest(path) or {}
+    got = man.get(field, (man.get("config") or {}).get(field)) if man.get("stage") == stage else None
+    return int(got) if got else default
+
+
 def say_complete(stage: str, out: Path, detail: str = "") -> None:
     print(f"eyas {stage}: {out} is complete for these inputs{f' ({detail})' if detail else ''}; nothing to do",
           file=sys.stderr)

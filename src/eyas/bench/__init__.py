@@ -69,8 +69,9 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
         print(json.dumps(res, indent=2))
     elif what == "extract":
         from eyas.bench.extract import run_bench
+        from eyas.extract.base import resolve_lengths
 
-        e = cfg.extract
+        e = resolve_lengths(cfg.extract)
         res = run_bench(target, b.limit, layer_ids=e.layer_ids or None,
                         compute_dtype="bf16" if e.compute_dtype == "auto" else e.compute_dtype, max_len=e.max_len,
                         batch_tokens=e.batch_tokens, data=e.data)

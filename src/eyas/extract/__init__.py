@@ -34,6 +34,7 @@ from eyas.extract.base import (
     Renderer,
     read_conversations,
     resolve_compute_dtype,
+    resolve_lengths,
 )
 from eyas.manifest import read_manifest, sha256_file
 from eyas.models import resolve_target
@@ -58,6 +59,7 @@ def extract(cfg: ExtractConfig) -> Path:
     from eyas.features import FeatureWriter
 
     check_choices(cfg, "extract")
+    cfg = resolve_lengths(cfg)
     if not cfg.data:
         raise ValueError("no conversations given: pass --data CONV.jsonl (made by `eyas synth`)")
     output_dir(cfg.out, "--out")

@@ -4,12 +4,14 @@ conversations file, and the `Extractor` interface the backends implement (`hf`, 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
 
 from eyas.chat import load_chat_template, load_tokenizer, render_with_mask, template_hash, validate_messages
 from eyas.config import ExtractConfig, choices
+from eyas.stage import inherited
 from eyas.host import engine_dtype
 from eyas.io import iter_jsonl
 from eyas.manifest import tokenizer_hash
@@ -144,6 +146,11 @@ class Extractor:
     def describe(self) -> dict[str, Any]:
         return {"backend": self.backend, "target": str(self.target), "layer_ids": self.layer_ids,
                 "num_target_layers": self.num_layers, "hidden_size": self.hidden_size}
+
+
+def resolve_lengths(cfg: ExtractConfig) -> ExtractConfig:
+    """`cfg` with `max_len` set: given, or the synthesis' max_model_len that made `cfg.data`, or 2048."""
+    return dataclasses.replace(cfg, max_len=inherited(cfg.max_len, cfg.data, "synth", "max_model_len", 2048))
 
 
 def resolve_compute_dtype(backend: str, compute_dtype: str) -> str:

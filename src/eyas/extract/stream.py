@@ -367,7 +367,7 @@ def _parse_shard(shard: str) -> tuple[int, int]:
 def run_producer(cfg: ExtractConfig) -> int:
     """`eyas extract --mode streaming --connect ADDR...`: extract and push until done or stopped."""
     from eyas.extract.backends import extractor_from_config
-    from eyas.extract.base import Renderer, read_conversations
+    from eyas.extract.base import Renderer, read_conversations, resolve_lengths
 
     if not cfg.connect:
         raise ValueError("streaming mode needs --connect tcp://HOST:PORT (a StreamConsumer's address)")
@@ -377,6 +377,7 @@ def run_producer(cfg: ExtractConfig) -> int:
     t0, ntok, epoch = time.time(), 0, 0
     try:  # from here on every failure reaches the consumers as ERROR
         check_choices(cfg, "extract")
+        cfg = resolve_lengths(cfg)
         target = resolve_target(cfg.target)
         facts = target_facts(target)
         producer.hello({"backend": cfg.backend, "target": str(target), "hidden_size": facts["hidden_size"],

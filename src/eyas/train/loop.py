@@ -28,7 +28,7 @@ from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab
 from eyas.manifest import write_manifest
 from eyas.models import eyas_home, resolve_target
-from eyas.stage import output_dir
+from eyas.stage import inherited, output_dir
 from eyas.target import load_head, text_config
 from eyas.train import parallel as P
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
@@ -59,6 +59,18 @@ class WarmupCosine:
 def _log(msg: str, d: P.Dist | None = None) -> None:
     if d is None or d.is_main:
         print(f"eyas train: {msg}", file=sys.stderr, flush=True)
+
+
+def resolve_lengths(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with `max_len` set: given, or what its source was made with (the features' max_len; the
+    synthesis' max_model_len for online conversations), else 2048 (a stream)."""
+    if cfg.source == "offline":
+        n = inherited(cfg.max_len, cfg.features, "extract", "max_len", 2048)
+    elif cfg.source == "online":
+        n = inherited(cfg.max_len, cfg.features, "synth", "max_model_len", 2048)
+    else:
+        n = cfg.max_len or 2048
+    return dataclasses.replace(cfg, max_len=n)
 
 
 def check_config(cfg: TrainConfig) -> None:
@@ -117,6 +129,7 @@ def train(cfg: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> 
 
     on_checkpoint: called (rank 0) after every checkpoint due for evaluation (`train.eval_every`
     and the last one); its record's `acceptance_length` goes to TensorBoard."""
+    cfg = resolve_lengths(cfg)
     check_config(cfg)
     d = P.init_distributed()
     if cfg.threads:
