@@ -10,7 +10,8 @@ import sys
 import pytest
 import torch
 
-from eyas.draft.model import DraftSpec, Eagle3Draft, draft_config_dict
+from eyas.draft.model import Eagle3Draft
+from eyas.draft.spec import DraftSpec, draft_config_dict
 from eyas.draft.ttt import Batch, TargetHead, step_masks, ttt_loss
 from eyas.draft.unroll import ttt_mask, unroll
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, check_vocab, top_n_vocab

@@ -9,7 +9,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from eyas.checkpoints import resolve_checkpoint
-from eyas.draft.contract import LINEARS, random_draft, validate_draft
+from eyas.draft.contract import random_draft, validate_draft
+from eyas.draft.spec import LINEARS
 from eyas.export import serve_command, write_draft
 
 

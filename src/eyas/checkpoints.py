@@ -117,7 +117,8 @@ def load_draft_state(ckpt_dir: str | os.PathLike):
     import torch
     import torch.distributed.checkpoint as dcp
 
-    from eyas.draft.model import DraftSpec, Eagle3Draft
+    from eyas.draft.model import Eagle3Draft
+    from eyas.draft.spec import DraftSpec
 
     ckpt_dir = Path(ckpt_dir)
     meta_path = ckpt_dir / "draft.json"

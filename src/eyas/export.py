@@ -21,14 +21,14 @@ from typing import Any
 from eyas.acceptance import measure_acceptance
 from eyas.checkpoints import load_draft_state, resolve_checkpoint
 from eyas.config import EvalConfig, ExportConfig, RunConfig, choices
-from eyas.draft.contract import (
+from eyas.draft.contract import validate_draft
+from eyas.draft.spec import (
     LINEARS,
     MID,
     TOKENIZER_FILES,
     build_config,
     canonical,
     speculators_config,
-    validate_draft,
 )
 from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
 from eyas.io import atomic_write_text

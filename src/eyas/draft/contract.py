@@ -1,10 +1,8 @@
-"""The draft's on-disk contract with vLLM, defined once: config keys, weight names and shapes,
-the vocab map, norms, and `validate_draft`, which refuses what vLLM would refuse or misread.
-
-Training writes `draft_config_dict(spec)` (eyas.draft.model) into its checkpoints; export
-turns it into `config.json` with `build_config` (or `speculators_config`) and checks the
-result with `validate_draft`; eval validates before it serves. All of it read from
-`vllm/model_executor/models/llama_eagle3.py`:
+"""The draft's on-disk contract with vLLM, checked: the weight shapes a config implies, and
+`validate_draft`, which refuses what vLLM would refuse or misread. The keys and names
+themselves are `eyas.draft.spec`; training writes them into checkpoints, export turns them
+into `config.json` and validates the result here, eval validates before it serves. All of
+it read from `vllm/model_executor/models/llama_eagle3.py`:
 
 - aux layer id k = HF `hidden_states[k]` (vLLM collects the residual stream after k decoder
   layers, in ascending order, whatever order the config lists), so ids are strictly
@@ -27,151 +25,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eyas.io import read_json
+from eyas.draft.spec import ARCH, FROM_TARGET, LINEARS, NORMS, canonical, load_draft_config
 from eyas.manifest import tokenizer_hash
 from eyas.target import default_layer_ids, target_embed, text_config_dict
-
-ARCH = "LlamaForCausalLMEagle3"
-MID = "midlayer."  # vLLM's name for draft layer 0 (speculators writes `layers.0.`)
-LINEARS = [  # the linear layers FP8 quantizes (lm_head is an embedding-like layer in vLLM: never quantized)
-    "fc",
-    "midlayer.self_attn.q_proj",
-    "midlayer.self_attn.k_proj",
-    "midlayer.self_attn.v_proj",
-    "midlayer.self_attn.o_proj",
-    "midlayer.mlp.gate_proj",
-    "midlayer.mlp.up_proj",
-    "midlayer.mlp.down_proj",
-]
-NORMS = ["midlayer.hidden_norm", "midlayer.input_layernorm", "midlayer.post_attention_layernorm", "norm"]
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-)
-# llama fields the draft layer takes from the target unless the draft config sets them
-FROM_TARGET = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "hidden_act",
-    "rms_norm_eps",
-    "max_position_embeddings",
-    "rope_theta",
-    "rope_parameters",
-    "rope_scaling",
-    "bos_token_id",
-    "eos_token_id",
-    "pad_token_id",
-)
-
-
-def canonical(name: str) -> str:
-    """Accept `model.`-prefixed and speculators (`layers.0.`) names; return vLLM's names."""
-    name = name.removeprefix("model.")
-    if name.startswith("layers.0."):
-        name = MID + name[len("layers.0.") :]
-    return name
-
-
-def build_config(
-    draft_config: dict[str, Any], target_cfg: dict[str, Any], state: dict[str, Any], dtype: str
-) -> dict[str, Any]:
-    """The vLLM-format config.json: draft keys over the target's llama fields, eagle keys forced."""
-    cfg = {k: target_cfg[k] for k in FROM_TARGET if k in target_cfg}
-    cfg.update({k: v for k, v in draft_config.items() if k not in ("architectures", "auto_map")})
-    ids = cfg.get("eagle_aux_hidden_state_layer_ids") or (cfg.get("eagle_config") or {}).get(
-        "eagle_aux_hidden_state_layer_ids"
-    )
-    if not ids:
-        raise ValueError("draft_config: eagle_aux_hidden_state_layer_ids is missing (the target layers fc reads)")
-    vd = int(state["lm_head.weight"].shape[0]) if "lm_head.weight" in state else cfg.get("draft_vocab_size")
-    cfg.update(
-        architectures=[ARCH],
-        model_type="llama",
-        num_hidden_layers=1,
-        vocab_size=int(target_cfg["vocab_size"]),
-        draft_vocab_size=int(vd),
-        target_hidden_size=int(target_cfg["hidden_size"]),
-        eagle_aux_hidden_state_layer_ids=[int(i) for i in ids],
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
-        dtype="bfloat16",
-    )
-    cfg.pop("eagle_config", None)
-    if len(ids) != 3:
-        cfg["num_aux_hidden_states"] = len(ids)
-    else:
-        cfg.pop("num_aux_hidden_states", None)
-    # norm flags: written when used (vLLM reads them from the top level)
-    cfg["fc_norm"] = bool(cfg.get("fc_norm")) or any(k.startswith("fc_norm.") for k in state)
-    cfg["norm_before_fc"] = bool(cfg.get("norm_before_fc")) or "input_norm.weight" in state
-    for flag in ("fc_norm", "norm_before_fc", "norm_output", "norm_before_residual"):
-        if not cfg.get(flag):
-            cfg.pop(flag, None)
-    if dtype == "fp8":
-        cfg["quantization_config"] = {
-            "quant_method": "fp8",
-            "activation_scheme": "dynamic",
-            "fmt": "e4m3",
-            "weight_scheme": "per_tensor",  # informational; vLLM reads quant_method/activation_scheme
-        }
-    return cfg
-
-
-def speculators_config(cfg: dict[str, Any], target_dir: Path, target_cfg: dict[str, Any], k: int) -> dict[str, Any]:
-    """The same draft in the `speculators` format (vLLM reads `speculators_config` and these keys)."""
-    layer = {
-        key: v
-        for key, v in cfg.items()
-        if key
-        not in (
-            "architectures",
-            "draft_vocab_size",
-            "target_hidden_size",
-            "eagle_aux_hidden_state_layer_ids",
-            "num_aux_hidden_states",
-            "norm_before_residual",
-            "norm_before_fc",
-            "fc_norm",
-            "norm_output",
-            "torch_dtype",
-            "dtype",
-        )
-    }  # quantization_config stays inside: vLLM builds the draft's hf_config from this mapping
-    out: dict[str, Any] = {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "speculators_version": "0.1.0",
-        "transformer_layer_config": layer,
-        "draft_vocab_size": cfg["draft_vocab_size"],
-        "target_hidden_size": cfg["target_hidden_size"],
-        "eagle_aux_hidden_state_layer_ids": cfg["eagle_aux_hidden_state_layer_ids"],
-        # vLLM defaults this to True for the speculators format (False for vLLM's own): always write it
-        "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
-        "norm_before_fc": bool(cfg.get("norm_before_fc", False)),
-        "fc_norm": bool(cfg.get("fc_norm", False)),
-        "norm_output": bool(cfg.get("norm_output", False)),
-        "torch_dtype": "bfloat16",
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(k)}],
-            "default_proposal_method": "greedy",
-            "verifier": {
-                "name_or_path": str(target_dir),
-                "architectures": target_cfg.get("architectures", []),
-            },
-        },
-    }
-    if "num_aux_hidden_states" in cfg:
-        out["num_aux_hidden_states"] = cfg["num_aux_hidden_states"]
-    return out
 
 
 def draft_dims(cfg: dict[str, Any], target_hidden: int, vocab_size: int) -> dict[str, Any]:
@@ -251,42 +107,6 @@ def random_draft(
 
 
 # ---------------------------------------------------------------- validation
-
-
-def load_draft_config(draft_dir: Path) -> tuple[dict[str, Any], str]:
-    """config.json normalized to vLLM's flat keys; returns (cfg, format)."""
-    raw = read_json(draft_dir / "config.json")
-    if "speculators_config" not in raw:
-        return raw, "vllm"
-    if raw.get("speculators_model_type") != "eagle3":
-        raise ValueError(f"{draft_dir}/config.json: speculators_model_type must be 'eagle3'")
-    sc = raw["speculators_config"]
-    try:
-        int(sc["proposal_methods"][0]["speculative_tokens"])
-        sc["verifier"]["name_or_path"]
-    except (KeyError, IndexError, TypeError, ValueError):
-        raise ValueError(
-            f"{draft_dir}/config.json: speculators_config needs proposal_methods[0].speculative_tokens "
-            "and verifier.name_or_path"
-        ) from None
-    if not isinstance(raw.get("transformer_layer_config"), dict):
-        raise ValueError(f"{draft_dir}/config.json: speculators format needs a transformer_layer_config mapping")
-    cfg = dict(raw["transformer_layer_config"])
-    for key in (
-        "draft_vocab_size",
-        "target_hidden_size",
-        "eagle_aux_hidden_state_layer_ids",
-        "num_aux_hidden_states",
-        "norm_before_fc",
-        "fc_norm",
-        "norm_output",
-    ):
-        if key in raw:
-            cfg[key] = raw[key]
-    cfg["norm_before_residual"] = raw.get("norm_before_residual", True)  # vLLM's default for this format
-    cfg.setdefault("architectures", [ARCH])
-    cfg.setdefault("num_hidden_layers", 1)
-    return cfg, "speculators"
 
 
 def _tensor_info(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:

@@ -17,144 +17,12 @@ state_dict keys of `Eagle3Draft` are the names vLLM loads (`fc.weight`,
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from eyas.draft.contract import ARCH
+from eyas.draft.spec import DraftSpec, draft_config_dict
 from eyas.draft.unroll import unroll
-from eyas.target import text_config
-
-
-@dataclass(frozen=True)
-class DraftSpec:
-    """Everything that fixes the draft's shapes and numerics (all read from the target config)."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    layer_ids: tuple[int, ...]  # aux layer ids, ascending: HF hidden_states[k]
-    max_position_embeddings: int
-    rope_parameters: dict[str, Any] = field(default_factory=dict)
-    fc_norm: bool = False  # one RMSNorm per aux chunk before fc
-    norm_before_fc: bool = False  # one RMSNorm over the whole concatenation before fc
-    norm_output: bool = False  # feed back the post-norm hidden instead of the pre-norm one
-
-    @property
-    def n_aux(self) -> int:
-        return len(self.layer_ids)
-
-    @classmethod
-    def from_target_config(
-        cls, tcfg: Any, layer_ids: list[int] | tuple[int, ...], draft_vocab_size: int, fc_norm: bool = False,
-        norm_before_fc: bool = False,
-    ) -> DraftSpec:
-        """Sizes from a transformers config of the target (dense or MoE)."""
-        tcfg = text_config(tcfg)
-        ids = tuple(int(i) for i in layer_ids)
-        L = int(tcfg.num_hidden_layers)
-        if list(ids) != sorted(set(ids)) or not ids or ids[0] < 0 or ids[-1] > L:
-            raise ValueError(f"layer ids {list(ids)} must be ascending, unique and within 0..{L}")
-        H = int(tcfg.hidden_size)
-        nh = int(tcfg.num_attention_heads)
-        head_dim = getattr(tcfg, "head_dim", None) or H // nh
-        inter = getattr(tcfg, "intermediate_size", None) or 4 * H
-        if not 0 < draft_vocab_size <= int(tcfg.vocab_size):
-            raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{tcfg.vocab_size} (target vocab)")
-        return cls(
-            hidden_size=H,
-            num_heads=nh,
-            num_kv_heads=int(getattr(tcfg, "num_key_value_heads", None) or nh),
-            head_dim=int(head_dim),
-            intermediate_size=int(inter),
-            rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
-            vocab_size=int(tcfg.vocab_size),
-            draft_vocab_size=int(draft_vocab_size),
-            target_hidden_size=H,
-            layer_ids=ids,
-            max_position_embeddings=int(getattr(tcfg, "max_position_embeddings", 4096)),
-            rope_parameters=_rope_parameters(tcfg),
-            fc_norm=fc_norm,
-            norm_before_fc=norm_before_fc,
-        )
-
-    @classmethod
-    def from_draft_config(cls, d: dict[str, Any]) -> DraftSpec:
-        """Inverse of `draft_config_dict` (reads a draft config.json / draft.json)."""
-        return cls(
-            hidden_size=d["hidden_size"],
-            num_heads=d["num_attention_heads"],
-            num_kv_heads=d["num_key_value_heads"],
-            head_dim=d["head_dim"],
-            intermediate_size=d["intermediate_size"],
-            rms_norm_eps=d["rms_norm_eps"],
-            vocab_size=d["vocab_size"],
-            draft_vocab_size=d["draft_vocab_size"],
-            target_hidden_size=d["target_hidden_size"],
-            layer_ids=tuple(d["eagle_aux_hidden_state_layer_ids"]),
-            max_position_embeddings=d["max_position_embeddings"],
-            rope_parameters=dict(d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d["rope_theta"]}),
-            fc_norm=bool(d.get("fc_norm", False)),
-            norm_before_fc=bool(d.get("norm_before_fc", False)),
-            norm_output=bool(d.get("norm_output", False)),
-        )
-
-
-def _rope_parameters(tcfg: Any) -> dict[str, Any]:
-    rp = getattr(tcfg, "rope_parameters", None)
-    if isinstance(rp, dict) and "full_attention" in rp:  # per-layer-type dict: the draft is full attention
-        rp = rp["full_attention"]
-    if not rp:
-        scaling = dict(getattr(tcfg, "rope_scaling", None) or {})
-        rp = {"rope_type": scaling.pop("rope_type", scaling.pop("type", "default")), **scaling}
-        rp["rope_theta"] = float(getattr(tcfg, "rope_theta", 10000.0))
-    return {k: v for k, v in dict(rp).items() if v is not None}
-
-
-def draft_config_dict(spec: DraftSpec, torch_dtype: str = "bfloat16", **extra: Any) -> dict[str, Any]:
-    """The HF config.json vLLM reads for the draft (`LlamaForCausalLMEagle3`)."""
-    d: dict[str, Any] = {
-        "architectures": [ARCH],
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": spec.hidden_size,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "head_dim": spec.head_dim,
-        "intermediate_size": spec.intermediate_size,
-        "hidden_act": "silu",
-        "rms_norm_eps": spec.rms_norm_eps,
-        "vocab_size": spec.vocab_size,
-        "draft_vocab_size": spec.draft_vocab_size,
-        "target_hidden_size": spec.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(spec.layer_ids),
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rope_parameters": dict(spec.rope_parameters),
-        "rope_theta": spec.rope_parameters.get("rope_theta", 10000.0),
-        "attention_bias": False,
-        "mlp_bias": False,
-        "tie_word_embeddings": False,
-        "torch_dtype": torch_dtype,
-    }
-    if spec.n_aux != 3:
-        d["num_aux_hidden_states"] = spec.n_aux
-    if spec.fc_norm:
-        d["fc_norm"] = True
-    if spec.norm_before_fc:
-        d["norm_before_fc"] = True
-    if spec.norm_output:
-        d["norm_output"] = True
-    d.update(extra)
-    return d
 
 
 class RMSNorm(nn.Module):
@@ -322,9 +190,3 @@ class Eagle3Draft(nn.Module):
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
-
-
-def spec_dict(spec: DraftSpec) -> dict[str, Any]:
-    d = asdict(spec)
-    d["layer_ids"] = list(spec.layer_ids)
-    return d

@@ -11,10 +11,10 @@ from typing import Any
 
 from eyas.chat import load_chat_template, load_tokenizer, render_with_mask, template_hash, validate_messages
 from eyas.config import ExtractConfig, choices
-from eyas.stage import inherited
 from eyas.host import engine_dtype
 from eyas.io import iter_jsonl
 from eyas.manifest import tokenizer_hash
+from eyas.stage import inherited
 from eyas.target import facts as target_facts
 from eyas.target import resolve_layer_ids
 

@@ -22,7 +22,8 @@ import torch
 
 from eyas.checkpoints import latest_checkpoint
 from eyas.config import TrainConfig, check_choices
-from eyas.draft.model import DraftSpec, Eagle3Draft, draft_config_dict, spec_dict
+from eyas.draft.model import Eagle3Draft
+from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab
