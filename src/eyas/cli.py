@@ -53,6 +53,8 @@ def _add_section_flags(p: argparse.ArgumentParser, section: str) -> None:
         doc = f"{section}.{f.name} (default: {f.default if f.default is not dataclasses.MISSING else f.default_factory()})"  # type: ignore[misc]
         if tp is bool:
             p.add_argument(_flag(f.name), dest=f"cfg__{f.name}", action=argparse.BooleanOptionalAction, default=None, help=doc)
+        elif typing.get_origin(tp) is typing.Literal:
+            p.add_argument(_flag(f.name), dest=f"cfg__{f.name}", choices=typing.get_args(tp), default=None, help=doc)
         elif typing.get_origin(tp) is list:
             p.add_argument(_flag(f.name), dest=f"cfg__{f.name}", nargs="+", default=None, help=doc)
         else:
