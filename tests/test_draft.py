@@ -418,3 +418,42 @@ def test_matches_vllm_llama_eagle3_layer(tmp_path):
         assert int(mapped.argmax()) == int(full.argmax())
         n += 1
     assert n == sum(1 for p in range(T - 1) for i in range(K) if p + 1 + i < T)
+
+
+# ---------------------------------------------------------------- simulated acceptance
+
+
+def test_walk_follows_greedy_verification():
+    """The module docstring's example, a draft wrong from step 1 on, and spans per request."""
+    from eyas.draft.simulate import spans, walk
+
+    T, k = 12, 3
+    ids = torch.arange(100, 100 + T)
+    gen = torch.zeros(T, dtype=torch.bool)
+    gen[3:10] = True  # one reply: x3..x9
+    perfect = torch.stack([torch.cat([ids[2 + i:], torch.full((2 + i,), -1)]) for i in range(k)])  # [k, T]
+    assert walk(perfect, ids, gen) == (2, [2, 2, 1])  # AL 3.5 for 7 tokens
+    first_only = perfect.clone()
+    first_only[1:] = -1
+    assert walk(first_only, ids, gen) == (3, [3, 0, 0])  # p = 2, 4, 6 (8 would end at x9 after x8 + bonus)
+    nothing = torch.full_like(perfect, -1)
+    assert walk(nothing, ids, gen) == (6, [0, 0, 0])  # one token per step: drafts at p = 2..7
+    two = gen.clone()
+    two[6] = False  # two replies: x3..x5 and x7..x9
+    assert spans(two) == [(3, 5), (7, 9)]
+    assert walk(perfect, ids, two) == (2, [2, 2, 0])  # one draft per reply, each cut at its end
+
+
+def test_simulated_acceptance_of_an_oracle_draft():
+    """A draft that always proposes the data: every chain accepted up to the span's end."""
+    from eyas.draft.simulate import simulate_acceptance
+
+    V, B, T, k = 50, 2, 16, 3
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    oracle = _Oracle(torch.arange(V), V)
+    gen = torch.zeros(B, T, dtype=torch.bool)
+    gen[:, 4:] = True
+    c = simulate_acceptance(oracle, ids, torch.zeros(B, T, 1), gen, k)
+    # per row: span [4, 15], p = 3 -> 7 -> 11 (3 accepted each) -> 15 stops: 3 drafts, 9 accepted
+    assert c == {"num_drafts": 6, "num_draft_tokens": 18, "num_accepted_tokens": 18, "accepted_per_pos": [6, 6, 6]}
