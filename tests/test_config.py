@@ -97,3 +97,14 @@ def test_one_definition_per_fact(tmp_path):
     bad = C.ExportConfig(dtype="fp4")  # built in code: the stage checks it with the same rule
     with pytest.raises(ValueError, match=r"export.dtype: 'fp4' is not one of bf16 \| fp8 \| fp8-emulated"):
         C.check_choices(bad, "export")
+
+
+def test_overrides_may_follow_the_flags(capsys):
+    from eyas.cli import main
+
+    assert main(["config", "--recipe", "demo", "--section", "train", "train.max_steps=5"]) == 0
+    # an action or override, then flags, then more overrides (`eyas bench simulated --recipe demo train.features=F`)
+    assert main(["config", "eval.k=4", "--section", "eval", "--recipe", "demo", "eval.limit=2"]) == 0
+    assert "k: 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["config", "--recipe", "demo", "--no-such-flag"])

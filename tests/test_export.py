@@ -299,3 +299,16 @@ def test_fp8_draft_in_vllm(vllm_target, tmp_path):
                          "_C.static_scaled_fp8_quant (a zero-arg stub in the CPU build)")
         raise
     assert rep["num_drafts"] > 0 and rep["num_draft_tokens"] == 3 * rep["num_drafts"]
+
+
+def test_exported_draft_loads_back_as_the_module(tiny_llama, tmp_path):
+    """bench simulated runs the exported weights: the dropped embedding comes back from the target."""
+    from eyas.bench.simulated import load_exported
+    from eyas.target import load_head
+
+    state, cfg = random_draft(tiny_llama, draft_vocab_size=512)
+    d = write_draft(state, cfg, tmp_path / "draft", tiny_llama)
+    model = load_exported(d, tiny_llama)
+    got = model.state_dict()
+    assert torch.equal(got["fc.weight"], state["fc.weight"].float()) and torch.equal(got["d2t"], state["d2t"])
+    assert torch.equal(got["embed_tokens.weight"], load_head(tiny_llama)[0].float())

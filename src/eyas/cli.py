@@ -91,7 +91,12 @@ def resolve(args: argparse.Namespace, section: str | None) -> tuple[C.Recipe, li
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    late = [a for a in extra if not a.startswith("-")]  # actions / overrides after the flags
+    if len(late) != len(extra):
+        parser.error(f"unrecognized arguments: {' '.join(a for a in extra if a.startswith('-'))}")
+    args.rest = list(args.rest) + late
     try:
         if args.command == "config":
             cfg, _ = resolve(args, None)

@@ -175,7 +175,7 @@ class BenchConfig:
     draft: str = ""
     out: str = ""
     prompts: str = ""  # eval prompts JSONL (default: the held-out split of the data mix)
-    what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads"] = "al"
+    what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated"] = "al"
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 6144])  # prompt tokens
     per_bucket: int = 4

@@ -7,6 +7,7 @@
     quant       MXFP4 vs bf16 perplexity / next-token agreement; quantizer speed (quantize.exclude)
     drift       vLLM bf16 greedy text against an HF float32 forward (how on-policy synthesis is)
     threads     vLLM CPU thread layouts: synthesis and serving tokens/s side by side
+    simulated   the simulated AL of a draft on its features against vLLM's on the same turns
 
 Every result names the machine it ran on (`eyas.host.machine()`), printed first and
 stored under "machine" in `bench_<what>.json`.
@@ -55,7 +56,7 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
     b = cfg.bench
     target = resolve_target(b.target)
     print(f"bench {what}: machine: {machine_line()}", flush=True)
-    if what in ("al", "throughput") and not b.draft:
+    if what in ("al", "throughput", "simulated") and not b.draft:
         raise ValueError(f"eyas bench {what} needs --draft DIR (an exported draft, e.g. RUNDIR/draft)")
     if what == "al":
         from eyas.bench.acceptance import bench_acceptance
@@ -83,6 +84,12 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
         from eyas.bench.drift import bench_drift
 
         res = bench_drift(target, _conversations(cfg), b.max_tokens)
+    elif what == "simulated":
+        from eyas.bench.simulated import bench_simulated
+
+        if not cfg.train.features:
+            raise ValueError("eyas bench simulated needs train.features=FEAT (a feature dir; its conversations are replayed)")
+        res = bench_simulated(target, Path(b.draft), Path(cfg.train.features), cfg.eval.k, b.limit)
     elif what == "threads":
         from eyas.bench.threads import bench_threads
 

@@ -1,0 +1,98 @@
+"""`eyas bench simulated`: the simulated AL (`eyas.draft.simulate`) against vLLM's true AL on
+the same conversations, per position.
+
+The conversations are the ones a feature dir was extracted from (`train.features`, its
+manifest names them); each assistant turn is replayed in vLLM as the request synthesis
+made (the turns before it as the prompt, greedy, the synthesis' max_tokens), with the
+exported draft at k = `eval.k`. The simulation runs the same draft (its bf16 weights, as
+vLLM loads them) over the stored features. On greedy on-policy data both count the same
+chains, so they should agree up to rounding; the replies vLLM writes are checked against
+the data, since a reply that differs makes a different chain.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.acceptance import measure_acceptance, summarize
+from eyas.draft.model import Eagle3Draft
+from eyas.draft.simulate import simulate_acceptance
+from eyas.draft.spec import DraftSpec, canonical, load_draft_config
+from eyas.features import open_features
+from eyas.io import iter_jsonl
+from eyas.stage import input_manifest
+from eyas.target import load_head
+
+
+def load_exported(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) -> Eagle3Draft:
+    """An exported draft dir as the module vLLM runs: its weights (embed_tokens from the target
+    when the export dropped it; no d2t when the draft vocab is the target's)."""
+    from safetensors.torch import load_file
+
+    cfg, _ = load_draft_config(Path(draft_dir))
+    spec = DraftSpec.from_draft_config(cfg)
+    model = Eagle3Draft(spec)
+    state = {canonical(n): t for n, t in load_file(str(Path(draft_dir) / "model.safetensors")).items()}
+    if "embed_tokens.weight" not in state:
+        state["embed_tokens.weight"] = load_head(target_dir)[0]
+    if "d2t" not in state:
+        state["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.int64)
+        state["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)
+    model.load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in state.items()})
+    return model.eval()
+
+
+def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: int = 16) -> dict[str, Any]:
+    """Simulated and vLLM AL on the first `limit` conversations of `features`."""
+    ds = open_features(features)
+    conv_path = Path(ds.manifest["data"])
+    made_by = input_manifest(conv_path) or {}
+    max_tokens = int((made_by.get("config") or {}).get("max_tokens") or 128)
+    ids = ds.ids[:limit] if limit else ds.ids
+    model = load_exported(draft, target)
+    counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
+    t0 = time.perf_counter()
+    for i in range(len(ids)):
+        s = ds[i]
+        T = s["input_ids"].shape[0]
+        c = simulate_acceptance(model, s["input_ids"].view(1, T), s["aux_hidden_states"].float().reshape(1, T, -1),
+                                s["loss_mask"].view(1, T), k)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            counts[key] += c[key]
+        counts["accepted_per_pos"] = [a + b for a, b in zip(counts["accepted_per_pos"], c["accepted_per_pos"])]
+    sim_s = time.perf_counter() - t0
+    convs = {str(r["id"]): r for _, r in iter_jsonl(conv_path, "the conversations the features were made from")}
+    prompts, replies = [], []
+    for cid in ids:
+        msgs = convs[cid]["messages"]
+        for j, m in enumerate(msgs):
+            if m["role"] == "assistant":
+                prompts.append({"id": f"{cid}-{j}", "domain": "all", "messages": msgs[:j]})
+                replies.append(m["content"])
+    rep = measure_acceptance(target, draft, prompts, k=k, max_tokens=max_tokens, by_domain=False,
+                             max_model_len=int(ds.manifest.get("max_len") or 2048) + max_tokens, return_texts=True)
+    same = sum(a.strip() == b.strip() for a, b in zip(rep["domains"]["all"]["texts"], replies))
+    sim = summarize(counts, k)
+    out = {
+        "features": str(features), "draft": str(draft), "k": k, "conversations": len(ids), "turns": len(prompts),
+        "replies_identical": same, "max_tokens": max_tokens, "simulate_seconds": sim_s,
+        "simulated": {x: sim[x] for x in ("acceptance_length", "per_pos", "num_drafts")},
+        "vllm": {x: rep[x] for x in ("acceptance_length", "per_pos", "num_drafts", "skipped_too_long")},
+    }
+    out["relative_gap"] = sim["acceptance_length"] / rep["acceptance_length"] - 1
+    out["per_pos_gap"] = [a - b for a, b in zip(sim["per_pos"], rep["per_pos"])]
+    print(f"bench simulated: {len(ids)} conversations ({len(prompts)} turns, {same} replies identical to the data), "
+          f"k={k}, {max_tokens} max tokens", file=sys.stderr)
+    print(f"  simulated AL {sim['acceptance_length']:.3f} per pos {[round(x, 3) for x in sim['per_pos']]} "
+          f"({sim_s:.1f} s)\n  vLLM      AL {rep['acceptance_length']:.3f} per pos "
+          f"{[round(x, 3) for x in rep['per_pos']]}\n  gap {out['relative_gap']:+.1%}, per pos "
+          f"{[round(x, 3) for x in out['per_pos_gap']]}")
+    print(json.dumps(out))
+    return out
