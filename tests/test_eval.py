@@ -95,8 +95,9 @@ def test_on_checkpoint_keeps_best(tiny_llama, tmp_path, monkeypatch):
     callback = serve_eval.checkpoint_callback(run, ev, limit=3, target=str(tiny_llama))
     for step in (100, 200, 300):
         (run / "checkpoints" / f"step_{step}").mkdir(parents=True)
-        rec = callback(run / "checkpoints" / f"step_{step}", step, 1.5)
+        rec = callback(run / "checkpoints" / f"step_{step}", step, {"est_al": 1.5, "sim_al": 1.6})
         assert rec["step"] == step and rec["eval_seconds"] >= 0 and rec["est_al"] == 1.5 and rec["k"] == 2
+        assert rec["sim_al"] == 1.6  # the trainer's simulated AL beside the served one
         if step == 200:
             assert os.readlink(run / "checkpoints" / "best") == "step_100"  # 1.2 < 1.4: best unchanged
     assert calls[0][0] == run / "serve_eval" / "step_100" / "draft" and calls[0][1] == 3
@@ -115,7 +116,7 @@ def test_on_checkpoint_keeps_best(tiny_llama, tmp_path, monkeypatch):
 
     monkeypatch.setattr(serve_eval, "measure_acceptance", failing)
     (run / "checkpoints" / "step_400").mkdir()
-    rec = callback(run / "checkpoints" / "step_400", 400, 1.9)
+    rec = callback(run / "checkpoints" / "step_400", 400, {"est_al": 1.9})
     assert rec["true_al"] is None and "exited with 1" in rec["error"]
     assert os.readlink(run / "checkpoints" / "best") == "step_300"
     assert serve_eval.checkpoint_callback(run, EvalConfig(), limit=3) is None  # no eval.prompts: no callback

@@ -71,11 +71,11 @@ def _flags(cfg: TrainConfig) -> list[str]:
     return out + ["--no-progress"] + (["--resume"] if cfg.resume else [])
 
 
-def _run_cli(cfg: TrainConfig, nproc: int = 1) -> subprocess.CompletedProcess:
+def _run_cli(cfg: TrainConfig, nproc: int = 1, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     if nproc == 1:
-        cmd = [sys.executable, "-m", "eyas", "train", *_flags(cfg)]
+        cmd = [sys.executable, "-m", "eyas", "train", *_flags(cfg), *extra]
     else:
-        cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "eyas", "train", *_flags(cfg)]
+        cmd = [TORCHRUN, "--standalone", "--nproc_per_node", str(nproc), "-m", "eyas", "train", *_flags(cfg), *extra]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return proc
@@ -272,15 +272,19 @@ def test_checkpoint_callback(tiny_data, tmp_path):
 
     calls = []
 
-    def on_checkpoint(ckpt_dir, step, est_al):
+    def on_checkpoint(ckpt_dir, step, estimates):
         assert (Path(ckpt_dir) / "draft.json").exists()
-        calls.append((Path(ckpt_dir).name, step, est_al))
+        calls.append((Path(ckpt_dir).name, step, estimates))
         return {"acceptance_length": 1.5}
 
     run = tmp_path / "run"
-    train(_cfg(tiny_data, run, max_steps=4, eval_every=2), on_checkpoint=on_checkpoint)
+    train(_cfg(tiny_data, run, max_steps=4, eval_every=2, holdout=3), on_checkpoint=on_checkpoint)
     assert [c[:2] for c in calls] == [("step_2", 2), ("step_4", 4)]
-    assert all(isinstance(c[2], float) and c[2] >= 1.0 for c in calls)
+    for _, _, est in calls:  # the trainer's estimate, and the simulated AL on 3 held-out samples (k = ttt_steps 4)
+        assert est["est_al"] >= 1.0 and 1.0 <= est["sim_al"] <= 1 + 4 and len(est["sim_per_pos"]) == 4
+        assert est["sim_drafts"] > 0
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "sim_al" in r] == [2, 4]
     train(_cfg(tiny_data, tmp_path / "run2", max_steps=1))  # no callback: checkpoints only
 
     def broken(*args):
@@ -354,3 +358,26 @@ def test_bf16_compute_keeps_fp32_master_weights(tiny_data, tmp_path):
     assert all(x == x for x in s["last"]["acc"]) and s["last"]["loss"] == s["last"]["loss"]  # finite
     state, _ = load_draft_state(run / "checkpoints" / "step_3")
     assert state["fc.weight"].dtype == torch.float32 and state["lm_head.weight"].dtype == torch.float32
+
+
+def test_holdout_keeps_samples_out_of_training(tiny_data):
+    from eyas.train.data import OfflineSource
+
+    full = OfflineSource(tiny_data["features"], 2048)
+    src = OfflineSource(tiny_data["features"], 2048, holdout=3)
+    held = {full.ds.ids[i] for i in src.heldout}
+    trained = {s["id"] for s in src.load(list(range(len(src))))}
+    assert len(held) == 3 and len(src) == len(full) - 3 and not held & trained
+    assert sum(1 for _ in src.ids_masks()) == len(src)  # the vocab is counted without them too
+    assert OfflineSource(tiny_data["features"], 2048, holdout=3).heldout == src.heldout  # by id hash: stable
+    with pytest.raises(ValueError, match="train.holdout"):
+        OfflineSource(tiny_data["features"], 2048, holdout=len(full))
+
+
+@pytest.mark.slow
+def test_holdout_simulates_on_two_ranks(tiny_data, tmp_path):
+    """Every rank runs the held-out forwards (FSDP gathers collectively); rank 0 logs them once."""
+    run = tmp_path / "run"
+    _run_cli(_cfg(tiny_data, run, max_steps=4), nproc=2, extra=("train.holdout=3", "train.eval_every=2"))
+    logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "sim_al" in r] == [2, 4]

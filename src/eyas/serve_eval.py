@@ -35,7 +35,8 @@ def read_records(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def on_checkpoint(run_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, step: int, ev: EvalConfig,
-                  prompts: list[dict[str, Any]], est_al: float | None = None, target: str = "") -> dict[str, Any]:
+                  prompts: list[dict[str, Any]], estimates: dict[str, Any] | None = None,
+                  target: str = "") -> dict[str, Any]:
     """Export `ckpt_dir`, measure its true AL in vLLM with `ev`'s settings, log it, keep the best.
 
     A vLLM failure is recorded (with its log path) and returned with `error`, so training
@@ -47,9 +48,12 @@ def on_checkpoint(run_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, step:
     draft = export_checkpoint(ckpt_dir, out / "draft", target=target, k=ev.k)
     export_s = time.perf_counter() - t0
     served = json.loads((draft / "manifest.json").read_text())["target"]
+    est = dict(estimates or {})
+    est_al = est.pop("est_al", None)
     record: dict[str, Any] = {
         "step": int(step),
         "est_al": None if est_al is None else float(est_al),
+        **est,  # sim_al, sim_per_pos: the simulated AL on the trainer's held-out features
         "checkpoint": str(ckpt_dir),
         "draft": str(draft),
         "export_seconds": export_s,
@@ -88,7 +92,8 @@ def on_checkpoint(run_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, step:
         mark_best(run_dir, ckpt_dir, record)
     append_jsonl(run_dir / LOG, [record])
     print(
-        f"eyas serve-eval: step {step}: true AL {record['true_al']:.3f} (est {est_al}), "
+        f"eyas serve-eval: step {step}: true AL {record['true_al']:.3f} (est {est_al}"
+        + (f", simulated {record['sim_al']:.3f} on held-out features" if "sim_al" in record else "") + "), "
         f"per pos {[round(x, 3) for x in record['per_pos']]}, eval {record['eval_seconds']:.0f}s"
         + (" [best]" if record["best"] else ""),
         file=sys.stderr,
@@ -105,8 +110,8 @@ def checkpoint_callback(run_dir: str | os.PathLike, ev: EvalConfig, limit: int, 
         return None
     prompts = load_prompts(ev.prompts, limit)  # read now: a bad file fails before training starts
 
-    def call(ckpt_dir: Path, step: int, est_al: float | None) -> dict[str, Any]:
-        return on_checkpoint(run_dir, ckpt_dir, step, ev, prompts, est_al, target)
+    def call(ckpt_dir: Path, step: int, estimates: dict[str, Any]) -> dict[str, Any]:
+        return on_checkpoint(run_dir, ckpt_dir, step, ev, prompts, estimates, target)
 
     return call
 

@@ -19,6 +19,7 @@ repeating or skipping data, and 1 rank x accum 2 sees exactly what 2 ranks x acc
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -73,36 +74,49 @@ class OfflineSource:
 
     kind = "offline"
 
-    def __init__(self, path: str | os.PathLike, max_len: int):
+    def __init__(self, path: str | os.PathLike, max_len: int, holdout: int = 0):
         self.ds = open_features(path)
         self.path = Path(path)
         self.layer_ids: list[int] = list(self.ds.layer_ids)
         self.hidden_size: int = int(self.ds.hidden_size)
         self.max_len = max_len
-        self.lengths = [min(L, max_len) for L in self.ds.lengths]
+        n = len(self.ds)
+        if not 0 <= holdout < n:
+            raise ValueError(f"train.holdout {holdout} must be in [0, {n}) for {n} feature samples")
+        # held out by a hash of the sample id: the same samples whatever the order or the data size
+        by_hash = sorted(range(n), key=lambda i: hashlib.sha256(str(self.ds.ids[i]).encode()).hexdigest())
+        held = set(by_hash[:holdout])
+        self.heldout = sorted(held)  # feature indices never trained on
+        self.index = [i for i in range(n) if i not in held]  # training index -> feature index
+        self.lengths = [min(self.ds.lengths[i], max_len) for i in self.index]
         self.target = getattr(self.ds, "target", "")
 
     def __len__(self) -> int:
-        return len(self.ds)
+        return len(self.index)
 
     def ids_masks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids, loss_mask) per sample, truncated like training, without the states."""
         from safetensors import safe_open
 
+        held, i = set(self.heldout), 0
         for shard in self.ds.manifest["shards"]:
             with safe_open(str(self.path / shard["file"]), framework="pt") as f:
                 off = f.get_tensor("offsets").tolist()
                 ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
             for a, b in zip(off[:-1], off[1:]):
-                b = min(b, a + self.max_len)
-                yield ids[a:b], mask[a:b]
+                if i not in held:
+                    yield ids[a:min(b, a + self.max_len)], mask[a:min(b, a + self.max_len)]
+                i += 1
 
     def load(self, indices: list[int]) -> list[dict[str, Any]]:
-        return [self.ds[i] for i in indices]
+        return [self.ds[self.index[i]] for i in indices]
+
+    def heldout_samples(self) -> list[dict[str, Any]]:
+        return [self.ds[i] for i in self.heldout]
 
     def describe(self) -> dict[str, Any]:
         return {"source": self.kind, "features": str(self.path), "samples": len(self), "tokens": sum(self.lengths),
-                "layer_ids": self.layer_ids}
+                "heldout": len(self.heldout), "layer_ids": self.layer_ids}
 
 
 class OnlineSource:
@@ -165,7 +179,7 @@ def open_source(cfg: TrainConfig, target_dir: str | os.PathLike, device: str = "
     if not cfg.features:
         raise ValueError("no training data: pass --features FEAT_DIR (offline) or a conversations JSONL (online)")
     if cfg.source == "offline":
-        src = OfflineSource(cfg.features, cfg.max_len)
+        src = OfflineSource(cfg.features, cfg.max_len, cfg.holdout)
         if cfg.layer_ids and list(cfg.layer_ids) != src.layer_ids:
             raise ValueError(f"train.layer_ids {cfg.layer_ids} != the features' layer ids {src.layer_ids}")
         return src

@@ -24,6 +24,7 @@ from eyas.checkpoints import latest_checkpoint
 from eyas.config import TrainConfig, check_choices
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
+from eyas.draft.simulate import simulate_acceptance
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab
@@ -82,6 +83,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("max_steps, ttt_steps and grad_accum must be >= 1")
     if cfg.token_budget < 8 or cfg.max_len < 8:
         raise ValueError("token_budget and max_len must be >= 8")
+    if cfg.holdout and cfg.source != "offline":
+        raise ValueError(f"train.holdout needs train.source=offline (got {cfg.source!r})")
     if not 0 < cfg.position_decay <= 1:
         raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
     check_choices(cfg, "train")
@@ -120,9 +123,10 @@ def on_main(fn, d: P.Dist):
     return out
 
 
-# (checkpoint dir, step, the trainer's estimated AL or None) -> a record to log (or None). Runs on rank 0
-# while the other ranks wait; `eyas train` builds it from the recipe's eval section (eyas.serve_eval).
-CheckpointCallback = Callable[[Path, int, "float | None"], "dict[str, Any] | None"]
+# (checkpoint dir, step, the trainer's estimates: est_al, and sim_al / sim_per_pos with train.holdout) -> a record
+# to log (or None). Runs on rank 0 while the other ranks wait; `eyas train` builds it from the recipe's eval
+# section (eyas.serve_eval).
+CheckpointCallback = Callable[[Path, int, "dict[str, Any]"], "dict[str, Any] | None"]
 
 
 def train(cfg: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> dict[str, Any]:
@@ -306,13 +310,39 @@ class Trainer:
                                          self.d.rank, self.d.world)
         self.saved = step
         _log(f"saved {self.last_ckpt}", self.d)
-        if evaluate and self.on_checkpoint is not None:
-            self._evaluate(self.last_ckpt, step)
+        if evaluate:
+            estimates = {"est_al": self.last_rec.get("est_al"), **self.simulate(step)}
+            if self.on_checkpoint is not None:
+                self._evaluate(self.last_ckpt, step, estimates)
         return self.last_ckpt
 
-    def _evaluate(self, ckpt: Path, step: int) -> None:
+    def simulate(self, step: int) -> dict[str, Any]:
+        """Simulated AL (eyas.draft.simulate, k = ttt_steps) on the held-out samples; every rank runs
+        the same forwards (FSDP gathers collectively), rank 0 logs. {} without `train.holdout`."""
+        if not getattr(self.src, "heldout", None):
+            return {}
+        if not hasattr(self, "_heldout"):
+            self._heldout = self.src.heldout_samples()
+        k, dev = self.cfg.ttt_steps, self.d.device
+        counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
+        for s in self._heldout:
+            T = min(int(s["input_ids"].shape[0]), self.cfg.max_len)
+            c = simulate_acceptance(self.draft.model, s["input_ids"][:T].view(1, T).to(dev),
+                                    s["aux_hidden_states"][:T].reshape(1, T, -1).to(dev), s["loss_mask"][:T].view(1, T), k)
+            for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+                counts[key] += c[key]
+            counts["accepted_per_pos"] = [a + b for a, b in zip(counts["accepted_per_pos"], c["accepted_per_pos"])]
+        drafts = max(counts["num_drafts"], 1)
+        out = {"sim_al": 1 + counts["num_accepted_tokens"] / drafts,
+               "sim_per_pos": [a / drafts for a in counts["accepted_per_pos"]], "sim_drafts": counts["num_drafts"]}
+        self.logger.log({"step": step, **out}, echo=False)
+        _log(f"simulated AL {out['sim_al']:.3f} (k={k}) per pos {[round(x, 3) for x in out['sim_per_pos']]} on "
+             f"{len(self._heldout)} held-out samples", self.d)
+        return out
+
+    def _evaluate(self, ckpt: Path, step: int, estimates: dict[str, Any]) -> None:
         def run() -> None:
-            rec = self.on_checkpoint(ckpt, step, self.last_rec.get("est_al"))
+            rec = self.on_checkpoint(ckpt, step, estimates)
             if rec:
                 _log(f"checkpoint callback, step {step}: {json.dumps(rec)[:400]}")
                 al = rec.get("acceptance_length")
