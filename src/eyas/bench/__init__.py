@@ -89,7 +89,7 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
 
         if not cfg.train.features:
             raise ValueError("eyas bench simulated needs train.features=FEAT (a feature dir; its conversations are replayed)")
-        res = bench_simulated(target, Path(b.draft), Path(cfg.train.features), cfg.eval.k, b.limit)
+        res = bench_simulated(target, Path(b.draft), Path(cfg.train.features), cfg.eval.k, b.limit, cfg.train.holdout)
     elif what == "threads":
         from eyas.bench.threads import bench_threads
 

@@ -2,7 +2,8 @@
 the same conversations, per position.
 
 The conversations are the ones a feature dir was extracted from (`train.features`, its
-manifest names them); each assistant turn is replayed in vLLM as the request synthesis
+manifest names them): the samples the trainer held out (`train.holdout`), else the first
+`bench.limit`; each assistant turn is replayed in vLLM as the request synthesis
 made (the turns before it as the prompt, greedy, the synthesis' max_tokens), with the
 exported draft at k = `eval.k`. The simulation runs the same draft (its bf16 weights, as
 vLLM loads them) over the stored features. On greedy on-policy data both count the same
@@ -49,17 +50,22 @@ def load_exported(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) -
     return model.eval()
 
 
-def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: int = 16) -> dict[str, Any]:
-    """Simulated and vLLM AL on the first `limit` conversations of `features`."""
+def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: int = 16,
+                    holdout: int = 0) -> dict[str, Any]:
+    """Simulated and vLLM AL on the `holdout` samples the trainer held out, else the first `limit`."""
+    from eyas.train.data import OfflineSource
+
     ds = open_features(features)
     conv_path = Path(ds.manifest["data"])
     made_by = input_manifest(conv_path) or {}
     max_tokens = int((made_by.get("config") or {}).get("max_tokens") or 128)
-    ids = ds.ids[:limit] if limit else ds.ids
+    picked = OfflineSource(features, ds.manifest.get("max_len") or 2048, holdout).heldout if holdout else \
+        list(range(min(limit, len(ds)) if limit else len(ds)))
+    ids = [ds.ids[i] for i in picked]
     model = load_exported(draft, target)
     counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
     t0 = time.perf_counter()
-    for i in range(len(ids)):
+    for i in picked:
         s = ds[i]
         T = s["input_ids"].shape[0]
         c = simulate_acceptance(model, s["input_ids"].view(1, T), s["aux_hidden_states"].float().reshape(1, T, -1),
@@ -82,6 +88,7 @@ def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: in
     sim = summarize(counts, k)
     out = {
         "features": str(features), "draft": str(draft), "k": k, "conversations": len(ids), "turns": len(prompts),
+        "held_out": bool(holdout),
         "replies_identical": same, "max_tokens": max_tokens, "simulate_seconds": sim_s,
         "simulated": {x: sim[x] for x in ("acceptance_length", "per_pos", "num_drafts")},
         "vllm": {x: rep[x] for x in ("acceptance_length", "per_pos", "num_drafts", "skipped_too_long")},
