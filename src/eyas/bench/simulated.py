@@ -24,7 +24,7 @@ import torch
 
 from eyas.acceptance import measure_acceptance, summarize
 from eyas.draft.model import Eagle3Draft
-from eyas.draft.simulate import simulate_acceptance
+from eyas.draft.simulate import simulate_samples
 from eyas.draft.spec import DraftSpec, canonical, load_draft_config
 from eyas.features import open_features
 from eyas.io import iter_jsonl
@@ -63,16 +63,8 @@ def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: in
         list(range(min(limit, len(ds)) if limit else len(ds)))
     ids = [ds.ids[i] for i in picked]
     model = load_exported(draft, target)
-    counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
     t0 = time.perf_counter()
-    for i in picked:
-        s = ds[i]
-        T = s["input_ids"].shape[0]
-        c = simulate_acceptance(model, s["input_ids"].view(1, T), s["aux_hidden_states"].float().reshape(1, T, -1),
-                                s["loss_mask"].view(1, T), k)
-        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            counts[key] += c[key]
-        counts["accepted_per_pos"] = [a + b for a, b in zip(counts["accepted_per_pos"], c["accepted_per_pos"])]
+    counts = simulate_samples(model, [ds[i] for i in picked], k)
     sim_s = time.perf_counter() - t0
     convs = {str(r["id"]): r for _, r in iter_jsonl(conv_path, "the conversations the features were made from")}
     prompts, replies = [], []

@@ -90,3 +90,19 @@ def simulate_acceptance(model: Eagle3Draft, input_ids: torch.Tensor, aux: torch.
         per_pos = [x + y for x, y in zip(per_pos, pp)]
     return {"num_drafts": drafts, "num_draft_tokens": drafts * k, "num_accepted_tokens": sum(per_pos),
             "accepted_per_pos": per_pos}
+
+
+def simulate_samples(model: Eagle3Draft, samples: list[dict], k: int, max_len: int = 0,
+                     device: torch.device | str = "cpu") -> dict[str, object]:
+    """`simulate_acceptance` summed over feature samples (`input_ids`, `loss_mask`, `aux_hidden_states`),
+    one at a time, each cut to `max_len` (0: whole)."""
+    total = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
+    for s in samples:
+        T = min(int(s["input_ids"].shape[0]), max_len or int(s["input_ids"].shape[0]))
+        c = simulate_acceptance(model, s["input_ids"][:T].view(1, T).to(device),
+                                s["aux_hidden_states"][:T].float().reshape(1, T, -1).to(device),
+                                s["loss_mask"][:T].view(1, T), k)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            total[key] += c[key]
+        total["accepted_per_pos"] = [a + b for a, b in zip(total["accepted_per_pos"], c["accepted_per_pos"])]
+    return total

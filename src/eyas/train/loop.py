@@ -20,11 +20,12 @@ from typing import Any
 
 import torch
 
+from eyas.acceptance import summarize as summarize_acceptance
 from eyas.checkpoints import latest_checkpoint
 from eyas.config import TrainConfig, check_choices
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
-from eyas.draft.simulate import simulate_acceptance
+from eyas.draft.simulate import simulate_samples
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab
@@ -323,18 +324,11 @@ class Trainer:
             return {}
         if not hasattr(self, "_heldout"):
             self._heldout = self.src.heldout_samples()
-        k, dev = self.cfg.ttt_steps, self.d.device
-        counts = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_pos": [0] * k}
-        for s in self._heldout:
-            T = min(int(s["input_ids"].shape[0]), self.cfg.max_len)
-            c = simulate_acceptance(self.draft.model, s["input_ids"][:T].view(1, T).to(dev),
-                                    s["aux_hidden_states"][:T].reshape(1, T, -1).to(dev), s["loss_mask"][:T].view(1, T), k)
-            for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-                counts[key] += c[key]
-            counts["accepted_per_pos"] = [a + b for a, b in zip(counts["accepted_per_pos"], c["accepted_per_pos"])]
-        drafts = max(counts["num_drafts"], 1)
-        out = {"sim_al": 1 + counts["num_accepted_tokens"] / drafts,
-               "sim_per_pos": [a / drafts for a in counts["accepted_per_pos"]], "sim_drafts": counts["num_drafts"]}
+        k = self.cfg.ttt_steps
+        counts = simulate_samples(self.draft.model, self._heldout, k, self.cfg.max_len, self.d.device)
+        rates = summarize_acceptance(counts, k)
+        out = {"sim_al": rates["acceptance_length"] or 1.0, "sim_per_pos": rates["per_pos"] or [0.0] * k,
+               "sim_drafts": counts["num_drafts"]}
         self.logger.log({"step": step, **out}, echo=False)
         _log(f"simulated AL {out['sim_al']:.3f} (k={k}) per pos {[round(x, 3) for x in out['sim_per_pos']]} on "
              f"{len(self._heldout)} held-out samples", self.d)
