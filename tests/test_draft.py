@@ -13,7 +13,7 @@ import torch
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.spec import DraftSpec, draft_config_dict
 from eyas.draft.ttt import Batch, TargetHead, step_masks, ttt_loss
-from eyas.draft.unroll import ttt_mask, unroll
+from eyas.draft.unroll import shift_left, ttt_mask, unroll
 from eyas.draft.vocab import TokenCounter, build_draft_vocab, check_vocab, top_n_vocab
 from eyas.target import load_head as load_target_head
 
@@ -265,6 +265,33 @@ def test_loss_labels_follow_vllm_shift():
         assert torch.equal(st3[k], st[k]), k
     for k in ("scored", "correct", "cond_den", "cond_num", "in_vocab"):
         assert not st3[k].any(), k
+
+
+def test_hard_label_mix():
+    """hard=1 is the CE against the argmax of the target's draft-vocab distribution; hard=h mixes linearly."""
+    V, H, B, T, K = 40, 32, 2, 12, 2
+    g = torch.Generator().manual_seed(1)
+    W = torch.randn(V, H, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    b = Batch(ids, torch.ones(B, T, dtype=torch.bool), torch.randn(B, T, 3 * H, generator=g),
+              torch.randn(B, T, H, generator=g))
+    spec = small_spec(V=V, Vd=V)
+    model = random_draft(spec)
+    head = TargetHead(W, torch.arange(V))
+    soft, st = ttt_loss(model, b, head, K, 0.5)
+    hard, _ = ttt_loss(model, b, head, K, 0.5, hard=1.0)
+    mix, st_mix = ttt_loss(model, b, head, K, 0.5, hard=0.25)
+    assert torch.allclose(mix, 0.75 * soft + 0.25 * hard, atol=1e-5)
+    assert torch.equal(st_mix["loss_sum"], st["loss_sum"])  # the logged CE stays the soft one
+    # by hand: step 0 rows, label = argmax of the target's distribution at position p+1
+    masks = step_masks(b.loss_mask, K)
+    logits, _ = model(b.input_ids, b.aux, masks)
+    y = (b.last @ W.T).argmax(-1)  # [B, T] target argmax at each position
+    want = 0.0
+    for i, lg in enumerate(logits):
+        rows = torch.nn.functional.cross_entropy(lg.float(), shift_left(y, 1 + i, 0)[masks[i]], reduction="mean")
+        want += 0.5**i * rows
+    assert torch.allclose(hard, want, atol=1e-5)
 
 
 def test_loss_decreases_on_a_fixed_batch():

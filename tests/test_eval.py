@@ -172,10 +172,20 @@ def test_eval_baseline_and_perfect_draft(constant_target, tmp_path):
     assert rep["acceptance_length"] == pytest.approx(4.0)  # 1 prefill token + 4 per verify step
     assert rep["accepted_per_pos"] == [rep["num_drafts"]] * 3 and rep["al_at_k"] == pytest.approx([2.0, 3.0, 4.0])
     assert rep["num_drafts"] == 4 and rep["generated_tokens"] == 17
+    assert rep["tokens_per_step"] == pytest.approx(17 / 5)  # prefill + 4 steps of 4 tokens
 
     base = measure_acceptance(constant_target, None, prompts, max_tokens=17, kv_cache_gib=1)  # `--draft none`
     assert base["draft"] is None and base["num_drafts"] == 0 and base["acceptance_length"] == 1.0
-    assert base["generated_tokens"] == 17 and base["tokens_per_s"] > 0
+    assert base["generated_tokens"] == 17 and base["tokens_per_s"] > 0 and base["tokens_per_step"] == 1.0
+
+    # vLLM's n-gram lookup: once the reply repeats token 0, the last n-gram is found and its continuation
+    # (more 0s) proposed and accepted; it proposes nothing before a match, which tokens_per_step counts
+    ngram = measure_acceptance(constant_target, "ngram:1:2", prompts, k=3, max_tokens=17, kv_cache_gib=1)
+    assert ngram["num_drafts"] > 0 and ngram["accepted_per_pos"] == [ngram["num_drafts"]] * 3
+    steps = 17 - ngram["num_accepted_tokens"]
+    assert ngram["tokens_per_step"] == pytest.approx(17 / steps) and steps > ngram["num_drafts"]
+    with pytest.raises(ValueError, match="ngram:MIN:MAX"):
+        measure_acceptance(constant_target, "ngram:3:1", prompts, k=3, max_tokens=17, kv_cache_gib=1)
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -346,6 +347,75 @@ def test_unfrozen_embedding_and_fc_norm_train(tiny_data, tmp_path):
     state, meta = load_draft_state(run / "checkpoints" / "step_2")
     assert meta["draft_config"]["fc_norm"] is True and {"fc_norm.0.weight", "fc_norm.2.weight"} <= set(state)
     assert not torch.equal(state["embed_tokens.weight"], load_target_head(tiny_data["target"])[0].float())
+
+
+def test_init_head_from_target(tiny_data, tmp_path):
+    """init_head=target: lm_head starts as the target's rows of the draft vocab, the final norm as the target's."""
+    from safetensors.torch import load_file, save_file
+
+    from eyas.checkpoints import load_draft_state
+    from eyas.target import load_head as load_target_head
+    from eyas.train import train
+
+    target = tmp_path / "target"  # the tiny target with a final norm that is not all ones
+    shutil.copytree(tiny_data["target"], target)
+    sd = load_file(str(target / "model.safetensors"))
+    sd["model.norm.weight"] = torch.linspace(0.5, 1.5, sd["model.norm.weight"].numel()).to(sd["model.norm.weight"])
+    save_file(sd, str(target / "model.safetensors"), metadata={"format": "pt"})
+    run = tmp_path / "run"
+    train(_cfg(tiny_data, run, target=str(target), max_steps=1, lr=1e-12, warmup_steps=0, init_head="target",
+               hard_label=0.5))
+    state, _ = load_draft_state(run / "checkpoints" / "step_1")
+    ids = state["d2t"] + torch.arange(state["d2t"].numel())  # draft id i -> target id i + d2t[i]
+    lm_head = load_target_head(target)[1].float()
+    assert torch.allclose(state["lm_head.weight"], lm_head[ids], atol=1e-6)
+    assert torch.allclose(state["norm.weight"], sd["model.norm.weight"].float(), atol=1e-6)
+    with pytest.raises(ValueError, match="hard_label"):
+        train(_cfg(tiny_data, tmp_path / "bad", max_steps=1, hard_label=1.5))
+
+
+def test_bench_levers_table(tiny_data, tmp_path, monkeypatch, capsys):
+    """Each lever trains on the same features with its overrides and is served once at the end; the n-gram
+    row is served on the same prompts; a finished row is read back; a changed lever under an old name is refused.
+    (vLLM faked here: the served path is the eval tests' and the README's table.)"""
+    from eyas import serve_eval
+    from eyas.bench import levers
+    from eyas.config import Recipe, finalize
+
+    served = []
+
+    def fake_measure(target, draft, prompts, **kw):
+        served.append(str(draft))
+        al = 1.3 if draft == "ngram" else 1.1 + 0.1 * len(served)
+        return {"acceptance_length": al, "per_pos": [al - 1, 0, 0], "al_at_k": [al] * 3, "load_seconds": 1.0,
+                "n_prompts": len(prompts), "generated_tokens": 10, "tokens_per_s": 5.0, "tokens_per_step": al - 0.1,
+                "domains": {"chat": {"acceptance_length": al}}}
+
+    monkeypatch.setattr(serve_eval, "measure_acceptance", fake_measure)
+    monkeypatch.setattr(levers, "measure_acceptance", fake_measure)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "domain": "chat", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
+    cfg = Recipe()
+    for k, v in vars(_cfg(tiny_data, tmp_path / "unused", max_steps=2, holdout=3, eval_every=1)).items():
+        setattr(cfg.train, k, v)
+    cfg.run.target = str(tiny_data["target"])
+    cfg.eval.prompts = str(prompts)
+    cfg = finalize(cfg)
+    res = levers.bench_levers(cfg, ["hard: train.hard_label=0.5, train.lr=0.001"], tmp_path / "b")
+    rows = {r["name"]: r for r in res["rows"]}
+    assert list(rows) == ["ngram", "baseline", "hard"] and served[0] == "ngram"
+    assert rows["hard"]["overrides"] == ["train.hard_label=0.5", "train.lr=0.001"]
+    assert rows["baseline"]["steps"] == 2 and len(served) == 3  # one serve per row: eval_every is the end only
+    assert rows["hard"]["sim_al"] >= 1.0 and rows["hard"]["draft_params"] > 0
+    meta = json.loads((tmp_path / "b/levers/hard/train/checkpoints/step_2/trainer.json").read_text())
+    assert meta["config"]["hard_label"] == 0.5 and meta["config"]["lr"] == 0.001
+    assert "+0.100" in res["table"] and "ngram" in res["table"]
+    again = levers.bench_levers(cfg, ["hard: train.hard_label=0.5, train.lr=0.001"], tmp_path / "b")
+    assert again["rows"] == res["rows"] and len(served) == 3  # read back, nothing re-run
+    with pytest.raises(ValueError, match="holds lever 'hard'"):
+        levers.bench_levers(cfg, ["hard: train.hard_label=0.25"], tmp_path / "b")
+    with pytest.raises(ValueError, match="changes nothing"):
+        levers.parse_lever("lonely")
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tiny_data, tmp_path):

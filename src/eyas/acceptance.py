@@ -25,7 +25,7 @@ from eyas import vllm_runner
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids, validate_messages
 from eyas.host import machine
 from eyas.io import iter_jsonl
-from eyas.vllm_runner import COUNTERS, PER_POS
+from eyas.vllm_runner import COUNTERS, PER_POS, is_ngram, ngram_lengths
 
 
 def load_prompts(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]]:
@@ -80,6 +80,14 @@ def summarize(counters: dict[str, Any], k: int | None) -> dict[str, Any]:
     return out
 
 
+def tokens_per_step(generated: int, counters: dict[str, Any]) -> float | None:
+    """Tokens each target forward pass made, prefill included: every step emits 1 + its accepted
+    tokens. Unlike AL (per drafting step) it counts the steps where nothing was proposed, which is
+    how n-gram lookup and a draft compare on equal terms (n-gram proposes only on a match)."""
+    steps = generated - int(counters.get("num_accepted_tokens", 0))
+    return generated / steps if generated and steps > 0 else None
+
+
 def counters_from_prometheus(text: str) -> dict[str, Any]:
     """Spec-decode counters from a server's `/metrics` text (summed over label sets)."""
     out: dict[str, Any] = {}
@@ -122,6 +130,8 @@ def measure_acceptance(
     """
     target = Path(target)
     draft = None if draft in (None, "", "none") else str(draft)
+    if is_ngram(draft):
+        ngram_lengths(draft)  # a bad ngram:MIN:MAX fails here, before vLLM starts
     prompts, skipped = _fit(prompts, target, max_model_len, max_tokens)
     if not prompts:
         raise ValueError(f"no prompt fits max_model_len {max_model_len} with max_tokens {max_tokens}")
@@ -159,6 +169,7 @@ def measure_acceptance(
         domains[b["name"]] = {
             "n": b["n"],
             "generated_tokens": b["generated_tokens"],
+            "tokens_per_step": tokens_per_step(b["generated_tokens"], c),
             "seconds": b["seconds"],
             "tokens_per_s": b["generated_tokens"] / b["seconds"] if b["seconds"] else None,
             **summarize(c, kk),
@@ -178,6 +189,7 @@ def measure_acceptance(
         "skipped_too_long": skipped,
         "max_tokens": max_tokens,
         "generated_tokens": gen,
+        "tokens_per_step": tokens_per_step(gen, total),
         "decode_seconds": secs,
         "tokens_per_s": gen / secs if secs else None,
         "load_seconds": res["load_seconds"],

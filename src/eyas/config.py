@@ -115,6 +115,8 @@ class TrainConfig:
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     fc_norm: bool = False
     freeze_embed: bool = True
+    init_head: Literal["random", "target"] = "random"  # target: lm_head and final norm start as the target's
+    hard_label: float = 0.0  # weight of CE on the target's argmax mixed into the soft CE (0: soft only)
     loss_tokens: Literal["assistant", "all"] = "assistant"  # all: prompt tokens too, against the target's distributions
     score_every: int = 1  # accuracy metrics on every Nth micro-batch (the target's full-vocab top-1: about 1/4 of a CPU step here)
     layer_ids: list[int] = field(default_factory=list)  # online source: empty = (2, L//2, L-3); offline: the features'
@@ -142,7 +144,7 @@ class EvalConfig:
     """Stage 4: true acceptance length from vLLM's spec-decode counters (`eyas eval`, and serve-eval in training)."""
 
     target: str = ""  # default: run.target
-    draft: str = ""
+    draft: str = ""  # an exported draft dir, ngram[:MIN:MAX] (vLLM prompt lookup) or none (plain decoding)
     prompts: str = ""  # held-out {"id", "domain", "messages"} JSONL (serve-eval's too)
     k: int = 3  # num_speculative_tokens: measured here and in serve-eval, written by export, served by bench
     max_tokens: int = 128
@@ -173,15 +175,16 @@ class BenchConfig:
     """Benchmarks: acceptance per domain / context bucket, throughput vs baseline."""
 
     target: str = ""  # default: run.target
-    draft: str = ""
+    draft: str = ""  # an exported draft dir, ngram[:MIN:MAX] (vLLM prompt lookup) or none (plain decoding)
     out: str = ""
     prompts: str = ""  # eval prompts JSONL (default: the held-out split of the data mix)
-    what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated"] = "al"
+    what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated", "levers"] = "al"
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 6144])  # prompt tokens
     per_bucket: int = 4
     max_tokens: int = 128
     limit: int = 16  # prompts per domain
+    levers: list[str] = field(default_factory=list)  # `bench levers` rows: "NAME: section.key=value, ..."
 
 
 @dataclass

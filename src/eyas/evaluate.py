@@ -16,6 +16,7 @@ from eyas.config import EvalConfig, RunConfig
 from eyas.draft.contract import validate_draft
 from eyas.io import atomic_write_text
 from eyas.models import resolve_target
+from eyas.vllm_runner import is_ngram
 
 
 def format_table(rep: dict[str, Any]) -> str:
@@ -23,13 +24,13 @@ def format_table(rep: dict[str, Any]) -> str:
         return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
     k = rep.get("k") or 0
-    head = f"{'domain':<16}{'n':>5}{'tokens':>8}{'tok/s':>8}{'AL':>7}" + "".join(f"{'p' + str(i):>7}" for i in range(k))
+    head = f"{'domain':<16}{'n':>5}{'tokens':>8}{'tok/s':>8}{'tok/step':>9}{'AL':>7}" + "".join(f"{'p' + str(i):>7}" for i in range(k))
     lines = [head, "-" * len(head)]
     rows = list(rep["domains"].items()) + [("ALL", rep | {"n": rep["n_prompts"]})]
     for name, d in rows:
         pp = d.get("per_pos") or []
         lines.append(
-            f"{name[:15]:<16}{d['n']:>5}{d['generated_tokens']:>8}{f(d['tokens_per_s'], 1):>8}"
+            f"{name[:15]:<16}{d['n']:>5}{d['generated_tokens']:>8}{f(d['tokens_per_s'], 1):>8}{f(d.get('tokens_per_step')):>9}"
             f"{f(d['acceptance_length']):>7}" + "".join(f"{f(pp[i] if i < len(pp) else None):>7}" for i in range(k))
         )
     return "\n".join(lines)
@@ -43,7 +44,7 @@ def evaluate(e: EvalConfig) -> dict[str, Any]:
         raise ValueError("eyas eval needs --prompts FILE.jsonl ({'id', 'domain', 'messages'} rows)")
     target = resolve_target(e.target)
     draft = None if str(e.draft).lower() == "none" else e.draft
-    if draft is not None:
+    if draft is not None and not is_ngram(draft):
         validate_draft(draft, target)
     prompts = load_prompts(e.prompts, e.limit)
     print(f"eyas eval: {len(prompts)} prompts, target {target}, draft {draft}, k={e.k}", file=sys.stderr)
@@ -58,7 +59,7 @@ def evaluate(e: EvalConfig) -> dict[str, Any]:
 
 
 def cli(e: EvalConfig, actions: list[str], run: RunConfig) -> int:
-    """`eyas eval --target DIR --draft DRAFT|none --prompts IN.jsonl [--k 3] [--max-tokens N] [--limit N] [--out R.json]`.
+    """`eyas eval --target DIR --draft DRAFT|ngram[:MIN:MAX]|none --prompts IN.jsonl [--k 3] [--max-tokens N] [--limit N] [--out R.json]`.
 
     Prints a table; the last stdout line is the report as one JSON object (`acceptance_length`, ...).
     """

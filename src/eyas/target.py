@@ -132,6 +132,13 @@ def load_head(target: str | os.PathLike):
     return embed[:V], lm_head[:V], tcfg
 
 
+def target_final_norm(target: str | os.PathLike):
+    """The weight [H] of the norm before the target's lm_head (`*model.norm.weight`), or None."""
+    where = weight_map(target)
+    name = find_tensor(where, "model.norm.weight")
+    return None if name is None else read_tensor(target, name, where)
+
+
 def target_embed(target: str | os.PathLike):
     """The target's input embedding [V', H] as stored, or None when it has none."""
     where = weight_map(target)

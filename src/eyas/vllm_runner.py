@@ -39,8 +39,34 @@ TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_R
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
 
-def eagle3_config(draft: str | os.PathLike, k: int) -> dict[str, Any]:
-    """The `speculative_config` that serves `draft` as an EAGLE-3 head proposing `k` tokens."""
+NGRAM = "ngram"  # a draft spelled `ngram` or `ngram:MIN:MAX`: vLLM's prompt lookup, the no-training baseline
+NGRAM_DEFAULT = (2, 4)  # n-gram lengths looked up in the context, longest first
+
+
+def is_ngram(draft: str | os.PathLike | None) -> bool:
+    return draft is not None and (str(draft) == NGRAM or str(draft).startswith(NGRAM + ":"))
+
+
+def ngram_lengths(draft: str) -> tuple[int, int]:
+    """`ngram` -> NGRAM_DEFAULT; `ngram:MIN:MAX` -> (MIN, MAX), checked."""
+    if draft == NGRAM:
+        return NGRAM_DEFAULT
+    parts = draft.split(":")[1:]
+    try:
+        lo, hi = (int(x) for x in parts)
+    except ValueError:
+        lo = hi = 0
+    if not 1 <= lo <= hi:
+        raise ValueError(f"draft {draft!r}: write ngram or ngram:MIN:MAX with 1 <= MIN <= MAX (e.g. ngram:2:4)")
+    return lo, hi
+
+
+def speculative_config(draft: str | os.PathLike, k: int) -> dict[str, Any]:
+    """The `speculative_config` that proposes `k` tokens: an EAGLE-3 head in the directory `draft`,
+    or vLLM's n-gram prompt lookup when `draft` is `ngram[:MIN:MAX]`."""
+    if is_ngram(draft):
+        lo, hi = ngram_lengths(str(draft))
+        return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": lo, "prompt_lookup_max": hi}
     return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
 
 
@@ -76,12 +102,12 @@ def _engine(spec: dict[str, Any]):
         seed=int(spec.get("seed", 0)),
         enforce_eager=bool(spec.get("enforce_eager", True)),
         max_num_seqs=int(spec.get("max_num_seqs", 64)),
-        dtype=spec.get("dtype") or engine_dtype(spec.get("draft")),
+        dtype=spec.get("dtype") or engine_dtype(None if is_ngram(spec.get("draft")) else spec.get("draft")),
     )
     if spec.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])
     if spec.get("draft"):
-        kw["speculative_config"] = eagle3_config(spec["draft"], int(spec.get("k", 3)))
+        kw["speculative_config"] = speculative_config(spec["draft"], int(spec.get("k", 3)))
     return LLM(**kw)
 
 

@@ -8,6 +8,8 @@
     drift       vLLM bf16 greedy text against an HF float32 forward (how on-policy synthesis is)
     threads     vLLM CPU thread layouts: synthesis and serving tokens/s side by side
     simulated   the simulated AL of a draft on its features against vLLM's on the same turns
+    levers      an ablation table: each `bench.levers` row trained on the same features and served
+                by vLLM on the held-out prompts, beside the baseline and n-gram prompt lookup
 
 Every result names the machine it ran on (`eyas.host.machine()`), printed first and
 stored under "machine" in `bench_<what>.json`.
@@ -76,6 +78,12 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
         res = run_bench(target, b.limit, layer_ids=e.layer_ids or None,
                         compute_dtype="bf16" if e.compute_dtype == "auto" else e.compute_dtype, max_len=e.max_len,
                         batch_tokens=e.batch_tokens, data=e.data)
+    elif what == "levers":
+        from eyas.bench.levers import bench_levers
+
+        if not b.out:
+            raise ValueError("eyas bench levers needs --out DIR (each row trains under DIR/levers/NAME)")
+        res = bench_levers(cfg, b.levers, Path(b.out))
     elif what == "train":
         from eyas.bench.train import run_bench
 

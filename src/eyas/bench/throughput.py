@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.host import engine_dtype
-from eyas.vllm_runner import eagle3_config
+from eyas.vllm_runner import speculative_config
 
 
 def _requests(prompts: list[list[dict]], tokenizer, max_tokens: int):
@@ -59,7 +59,7 @@ def bench_throughput(target: Path, draft: Path | None, prompts: list[list[dict]]
     tok = AutoTokenizer.from_pretrained(str(target))
     modes: dict[str, list[str]] = {"baseline": []}
     if draft is not None:
-        modes["spec"] = ["--speculative-config", json.dumps(eagle3_config(draft, k))]
+        modes["spec"] = ["--speculative-config", json.dumps(speculative_config(draft, k))]
     results: dict[str, dict[int, dict]] = {}
     for mode, extra in modes.items():
         results[mode] = {}

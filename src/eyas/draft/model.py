@@ -134,6 +134,17 @@ class Eagle3Draft(nn.Module):
             self.embed_tokens.weight.copy_(embed)
 
     @torch.no_grad()
+    def init_head(self, lm_head: torch.Tensor, norm: torch.Tensor | None) -> None:
+        """Start the output side as the target's: lm_head [Vd, H] (the target's rows of the draft
+        vocab) and the final norm [H] (None: keep ones), so the draft begins in a space the target's
+        head already decodes and learns only to reach it."""
+        if tuple(lm_head.shape) != tuple(self.lm_head.weight.shape):
+            raise ValueError(f"target lm_head rows {tuple(lm_head.shape)} != draft {tuple(self.lm_head.weight.shape)}")
+        self.lm_head.weight.copy_(lm_head)
+        if norm is not None:
+            self.norm.weight.copy_(norm)
+
+    @torch.no_grad()
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         assert d2t.shape == self.d2t.shape and t2d.shape == self.t2d.shape
         self.d2t.copy_(d2t)

@@ -113,9 +113,12 @@ def step_masks(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
 
 
 def ttt_loss(
-    model: Eagle3Draft, batch: Batch, head: TargetHead, steps: int, decay: float, score: bool = True
+    model: Eagle3Draft, batch: Batch, head: TargetHead, steps: int, decay: float, score: bool = True,
+    hard: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_i decay^i · mean soft-CE of step i, and raw counts per step (float64 [steps] each):
+    """Σ_i decay^i · mean CE of step i, and raw counts per step (float64 [steps] each). The CE is
+    (1 - hard) · soft-CE against the target's distribution + hard · CE against its argmax over the
+    draft vocab (greedy verification accepts exactly argmax agreement); the counts are
     loss_sum, rows, ent_sum (entropy of the soft labels: the floor of loss_sum; loss_sum - ent_sum
     is the KL) and, when `score` (the target's full-vocab top-1 is computed), scored (= rows),
     correct (draft top-1 == target top-1), cond_den/cond_num (same, among rows whose steps
@@ -136,7 +139,8 @@ def ttt_loss(
         logp = torch.log_softmax(lg.float(), dim=-1)
         ce = -(q[r] * logp).sum(-1)  # [n_i]
         n = ce.numel()
-        total = total + (decay**i) * ce.sum() / max(n, 1)
+        obj = ce if not hard else (1 - hard) * ce - hard * logp.gather(-1, q[r].argmax(-1, keepdim=True)).squeeze(-1)
+        total = total + (decay**i) * obj.sum() / max(n, 1)
         with torch.no_grad():
             stats["loss_sum"][i] = ce.detach().sum()
             stats["rows"][i] = n

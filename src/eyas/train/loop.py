@@ -24,15 +24,15 @@ from eyas.acceptance import summarize as summarize_acceptance
 from eyas.checkpoints import latest_checkpoint
 from eyas.config import TrainConfig, check_choices
 from eyas.draft.model import Eagle3Draft
-from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
 from eyas.draft.simulate import simulate_samples
+from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab
 from eyas.manifest import write_manifest
 from eyas.models import eyas_home, resolve_target
 from eyas.stage import inherited, output_dir
-from eyas.target import load_head, text_config
+from eyas.target import load_head, target_final_norm, text_config
 from eyas.train import parallel as P
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 from eyas.train.data import collate, open_data
@@ -88,6 +88,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"train.holdout needs train.source=offline (got {cfg.source!r})")
     if not 0 < cfg.position_decay <= 1:
         raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
+    if not 0 <= cfg.hard_label <= 1:
+        raise ValueError(f"train.hard_label is the weight of the argmax CE, in [0, 1]; got {cfg.hard_label}")
     check_choices(cfg, "train")
 
 
@@ -172,6 +174,8 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
     embed, lm_head, tcfg_d = load_head(target_dir)
     model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
     model.init_weights(embed.float(), seed=cfg.seed)
+    if cfg.init_head == "target":
+        model.init_head(lm_head[vocab.draft_ids].float(), target_final_norm(target_dir))
     model.set_vocab(vocab.d2t, vocab.t2d)
     model.to(device)
     if d is not None:
@@ -282,7 +286,8 @@ class Trainer:
             dr.model.set_requires_gradient_sync(a == len(mbs) - 1)
             score = win.micro == 0 or self.micro_seen % max(1, cfg.score_every) == 0
             self.micro_seen += 1
-            loss, stats = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score)
+            loss, stats = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score,
+                                     hard=cfg.hard_label)
             (loss / cfg.grad_accum).backward()
             win.add(loss.detach(), stats, batch.num_tokens)
         gnorm = torch.nn.utils.clip_grad_norm_(dr.trainable, cfg.grad_clip)
