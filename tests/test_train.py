@@ -349,8 +349,9 @@ def test_unfrozen_embedding_and_fc_norm_train(tiny_data, tmp_path):
     assert not torch.equal(state["embed_tokens.weight"], load_target_head(tiny_data["target"])[0].float())
 
 
-def test_init_head_from_target(tiny_data, tmp_path):
-    """init_head=target: lm_head starts as the target's rows of the draft vocab, the final norm as the target's."""
+def test_init_from_target(tiny_data, tmp_path):
+    """init_head=target: lm_head starts as the target's rows of the draft vocab, the final norm as the target's;
+    init_layer=target: the decoder layer from the target's first and last layers."""
     from safetensors.torch import load_file, save_file
 
     from eyas.checkpoints import load_draft_state
@@ -370,6 +371,27 @@ def test_init_head_from_target(tiny_data, tmp_path):
     lm_head = load_target_head(target)[1].float()
     assert torch.allclose(state["lm_head.weight"], lm_head[ids], atol=1e-6)
     assert torch.allclose(state["norm.weight"], sd["model.norm.weight"].float(), atol=1e-6)
+    assert not torch.equal(state["midlayer.mlp.down_proj.weight"], sd["model.layers.1.mlp.down_proj.weight"].float())
+
+    # init_layer=target: the layer from the target's first (embedding half) and last (hidden half, the rest)
+    run2 = tmp_path / "run2"
+    train(_cfg(tiny_data, run2, target=str(target), max_steps=1, lr=1e-12, warmup_steps=0, init_layer="target"))
+    state, _ = load_draft_state(run2 / "checkpoints" / "step_1")
+    n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    H = sd["model.norm.weight"].numel()
+    first, last = f"model.layers.0.", f"model.layers.{n - 1}."
+
+    def close(name, ref):
+        assert torch.allclose(state[name], ref.float(), atol=1e-6), name
+
+    close("midlayer.self_attn.q_proj.weight", torch.cat([sd[first + "self_attn.q_proj.weight"],
+                                                          sd[last + "self_attn.q_proj.weight"]], 1))
+    close("midlayer.self_attn.v_proj.weight", torch.cat([sd[first + "self_attn.v_proj.weight"],
+                                                          sd[last + "self_attn.v_proj.weight"]], 1))
+    close("midlayer.mlp.down_proj.weight", sd[last + "mlp.down_proj.weight"])
+    close("midlayer.input_layernorm.weight", sd[first + "input_layernorm.weight"])
+    close("midlayer.hidden_norm.weight", sd[last + "input_layernorm.weight"])
+    close("fc.weight", torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], 1))  # the highest aux layer
     with pytest.raises(ValueError, match="hard_label"):
         train(_cfg(tiny_data, tmp_path / "bad", max_steps=1, hard_label=1.5))
 

@@ -116,6 +116,7 @@ class TrainConfig:
     fc_norm: bool = False
     freeze_embed: bool = True
     init_head: Literal["random", "target"] = "random"  # target: lm_head and final norm start as the target's
+    init_layer: Literal["random", "target"] = "random"  # target: the layer from the target's first and last, fc = top aux
     hard_label: float = 0.0  # weight of CE on the target's argmax mixed into the soft CE (0: soft only)
     loss_tokens: Literal["assistant", "all"] = "assistant"  # all: prompt tokens too, against the target's distributions
     score_every: int = 1  # accuracy metrics on every Nth micro-batch (the target's full-vocab top-1: about 1/4 of a CPU step here)

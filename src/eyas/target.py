@@ -139,6 +139,19 @@ def target_final_norm(target: str | os.PathLike):
     return None if name is None else read_tensor(target, name, where)
 
 
+def target_layer(target: str | os.PathLike, index: int) -> dict[str, Any]:
+    """Decoder layer `index` of the target (negative: from the end) as {"self_attn.q_proj.weight": ..., ...},
+    the names after `layers.N.` (the language model's in a multimodal checkpoint)."""
+    n = int(text_config_dict(target)["num_hidden_layers"])
+    i = index % n
+    where = weight_map(target)
+    stems = sorted({k.split(f"layers.{i}.", 1)[0] for k in where if f"layers.{i}." in k}, key=len)
+    if not stems:
+        raise ValueError(f"{target}: no tensors of decoder layer {i} in the safetensors")
+    prefix = f"{stems[0]}layers.{i}."
+    return {k[len(prefix):]: read_tensor(target, k, where) for k in where if k.startswith(prefix)}
+
+
 def target_embed(target: str | os.PathLike):
     """The target's input embedding [V', H] as stored, or None when it has none."""
     where = weight_map(target)

@@ -145,6 +145,35 @@ class Eagle3Draft(nn.Module):
             self.norm.weight.copy_(norm)
 
     @torch.no_grad()
+    def init_layer(self, first: dict[str, torch.Tensor], last: dict[str, torch.Tensor]) -> None:
+        """Start the decoder layer from two of the target's (`eyas.target.target_layer` dicts): the
+        embedding half of q/k/v and `input_layernorm` from its first layer (which reads embeddings),
+        the hidden half, o_proj, the MLP and the other norms from its last; `fc` starts as the
+        projection onto the highest aux layer. The draft then begins as a target layer on target
+        states and learns the shift to the next token from there."""
+        s, H = self.spec, self.spec.hidden_size
+        if s.target_hidden_size != H:
+            raise ValueError(f"init_layer needs the draft's hidden size {H} to equal the target's {s.target_hidden_size}")
+        want = [f"self_attn.{n}_proj.weight" for n in "qkvo"] + [f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+        want += ["input_layernorm.weight", "post_attention_layernorm.weight"]
+        missing = [n for n in want if n not in first or n not in last]
+        if missing:  # e.g. an MoE layer (experts, no dense mlp)
+            raise ValueError(f"init_layer: the target's layers lack {missing}; use init_layer=random for this target")
+        lyr = self.midlayer
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = getattr(lyr.self_attn, name).weight  # [out, 2H]: embeddings first
+            w[:, :H].copy_(first[f"self_attn.{name}.weight"])
+            w[:, H:].copy_(last[f"self_attn.{name}.weight"])
+        lyr.self_attn.o_proj.weight.copy_(last["self_attn.o_proj.weight"])
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(lyr.mlp, name).weight.copy_(last[f"mlp.{name}.weight"])
+        lyr.input_layernorm.weight.copy_(first["input_layernorm.weight"])
+        lyr.hidden_norm.weight.copy_(last["input_layernorm.weight"])
+        lyr.post_attention_layernorm.weight.copy_(last["post_attention_layernorm.weight"])
+        self.fc.weight.zero_()
+        self.fc.weight[:, (s.n_aux - 1) * H:].copy_(torch.eye(H))
+
+    @torch.no_grad()
     def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         assert d2t.shape == self.d2t.shape and t2d.shape == self.t2d.shape
         self.d2t.copy_(d2t)

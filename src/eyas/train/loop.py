@@ -32,7 +32,7 @@ from eyas.draft.vocab import DraftVocab, build_draft_vocab
 from eyas.manifest import write_manifest
 from eyas.models import eyas_home, resolve_target
 from eyas.stage import inherited, output_dir
-from eyas.target import load_head, target_final_norm, text_config
+from eyas.target import load_head, target_final_norm, target_layer, text_config
 from eyas.train import parallel as P
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 from eyas.train.data import collate, open_data
@@ -174,6 +174,8 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
     embed, lm_head, tcfg_d = load_head(target_dir)
     model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
     model.init_weights(embed.float(), seed=cfg.seed)
+    if cfg.init_layer == "target":
+        model.init_layer(target_layer(target_dir, 0), target_layer(target_dir, -1))
     if cfg.init_head == "target":
         model.init_head(lm_head[vocab.draft_ids].float(), target_final_norm(target_dir))
     model.set_vocab(vocab.d2t, vocab.t2d)
