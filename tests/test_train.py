@@ -379,7 +379,7 @@ def test_init_from_target(tiny_data, tmp_path):
     state, _ = load_draft_state(run2 / "checkpoints" / "step_1")
     n = json.loads((target / "config.json").read_text())["num_hidden_layers"]
     H = sd["model.norm.weight"].numel()
-    first, last = f"model.layers.0.", f"model.layers.{n - 1}."
+    first, last = "model.layers.0.", f"model.layers.{n - 1}."
 
     def close(name, ref):
         assert torch.allclose(state[name], ref.float(), atol=1e-6), name
