@@ -431,7 +431,7 @@ def test_bench_levers_table(tiny_data, tmp_path, monkeypatch, capsys):
     assert rows["hard"]["sim_al"] >= 1.0 and rows["hard"]["draft_params"] > 0
     meta = json.loads((tmp_path / "b/levers/hard/train/checkpoints/step_2/trainer.json").read_text())
     assert meta["config"]["hard_label"] == 0.5 and meta["config"]["lr"] == 0.001
-    assert "+0.100" in res["table"] and "ngram" in res["table"]
+    assert "+0.100" in res["table"] and "ngram" in res["table"] and rows["hard"]["generated_tokens"] > 0
     again = levers.bench_levers(cfg, ["hard: train.hard_label=0.5, train.lr=0.001"], tmp_path / "b")
     assert again["rows"] == res["rows"] and len(served) == 3  # read back, nothing re-run
     with pytest.raises(ValueError, match="holds lever 'hard'"):
@@ -464,6 +464,13 @@ def test_holdout_keeps_samples_out_of_training(tiny_data):
     assert OfflineSource(tiny_data["features"], 2048, holdout=3).heldout == src.heldout  # by id hash: stable
     with pytest.raises(ValueError, match="train.holdout"):
         OfflineSource(tiny_data["features"], 2048, holdout=len(full))
+    # max_samples: nested subsets of the rest, never the held-out samples; their assistant tokens counted
+    small, big = (OfflineSource(tiny_data["features"], 2048, holdout=3, max_samples=m) for m in (10, 20))
+    assert len(small) == 10 and len(big) == 20 and set(small.index) < set(big.index) <= set(src.index)
+    assert small.heldout == src.heldout
+    assert 0 < small.generated_tokens < big.generated_tokens < src.generated_tokens
+    assert small.generated_tokens == sum(int(s["loss_mask"].sum()) for s in small.load(list(range(10))))
+    assert src.describe()["generated_tokens"] == src.generated_tokens
 
 
 @pytest.mark.slow

@@ -112,6 +112,7 @@ class TrainConfig:
     eval_every: int = 0  # serve-eval every N steps (0: only at the end), measured with the eval section
     eval_limit: int = 16  # serve-eval on the first N prompts of eval.prompts (0: all)
     holdout: int = 0  # offline: feature samples kept out of training; their simulated AL is logged at each evaluation
+    max_samples: int = 0  # offline: train on this many of the other samples (0: all; nested subsets for learning curves)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     fc_norm: bool = False
     freeze_embed: bool = True

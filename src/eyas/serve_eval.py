@@ -82,6 +82,7 @@ def on_checkpoint(run_dir: str | os.PathLike, ckpt_dir: str | os.PathLike, step:
         k=ev.k,
         n_prompts=rep["n_prompts"],
         generated_tokens=rep["generated_tokens"],
+        tokens_per_step=rep.get("tokens_per_step"),
         tokens_per_s=rep["tokens_per_s"],
         domains={d: v["acceptance_length"] for d, v in rep["domains"].items()},
     )

@@ -23,6 +23,7 @@ from typing import Any
 from eyas.acceptance import load_prompts, measure_acceptance
 from eyas.config import Recipe, apply_override, finalize
 from eyas.io import atomic_write_text
+from eyas.manifest import read_manifest
 from eyas.serve_eval import read_records, train_with_serve_eval
 
 BASELINE = "baseline"
@@ -75,12 +76,15 @@ def run_row(cfg: Recipe, name: str, overrides: list[str], root: Path) -> dict[st
     r = row_recipe(cfg, overrides, out / "train")
     summary = train_with_serve_eval(r.train, r.eval)
     rec = read_records(out / "train")[-1]
+    source = (read_manifest(out / "train") or {}).get("source") or {}
     if rec.get("true_al") is None:
         raise RuntimeError(f"bench levers: {name}: vLLM did not measure the draft ({rec.get('log')})")
     row = {
         "name": name, "overrides": overrides, "steps": summary["step"],
         "seconds_per_step": summary["elapsed_s"] / max(summary["step"], 1),
-        "true_al": rec["true_al"], "per_pos": rec["per_pos"], "domains": rec["domains"],
+        "samples": source.get("samples"), "generated_tokens": source.get("generated_tokens"),
+        "true_al": rec["true_al"], "tokens_per_step": rec.get("tokens_per_step"), "per_pos": rec["per_pos"],
+        "domains": rec["domains"],
         "sim_al": rec.get("sim_al"), "sim_per_pos": rec.get("sim_per_pos"),
         "draft": rec["draft"], "draft_params": draft_params(Path(rec["draft"])),
     }
@@ -103,17 +107,22 @@ def ngram_row(cfg: Recipe, root: Path) -> dict[str, Any]:
     return row
 
 
+def _f(x: Any, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
+    """AL: vLLM's, per drafting step; tok/step: tokens per target forward (n-gram drafts only on a match)."""
     base = next((r for r in rows if r["name"] == BASELINE), None)
-    head = f"{'lever':<14}{'AL (vLLM)':>10}{'Δ':>8}{'sim AL':>8}{'s/step':>8}{'draft params':>14}  overrides"
+    head = (f"{'lever':<14}{'AL (vLLM)':>10}{'Δ':>8}{'tok/step':>9}{'sim AL':>8}{'gen tokens':>11}{'s/step':>8}"
+            f"{'draft params':>14}  overrides")
     lines = [head, "-" * len(head)]
     for r in rows:
-        delta = r["true_al"] - base["true_al"] if base and r["true_al"] is not None else None
+        delta = r["true_al"] - base["true_al"] if base and r["name"] not in ("ngram", BASELINE) else None
         lines.append(
-            f"{r['name'][:13]:<14}{r['true_al']:>10.3f}{'' if delta is None else f'{delta:+.3f}':>8}"
-            f"{'-' if r.get('sim_al') is None else format(r['sim_al'], '.3f'):>8}"
-            f"{'-' if r.get('seconds_per_step') is None else format(r['seconds_per_step'], '.2f'):>8}"
-            f"{'-' if r.get('draft_params') is None else format(r['draft_params'], ','):>14}  {' '.join(r['overrides'])}"
+            f"{r['name'][:13]:<14}{r['true_al']:>10.3f}{_f(delta, '+.3f'):>8}{_f(r.get('tokens_per_step'), '.3f'):>9}"
+            f"{_f(r.get('sim_al'), '.3f'):>8}{_f(r.get('generated_tokens'), ','):>11}"
+            f"{_f(r.get('seconds_per_step'), '.2f'):>8}{_f(r.get('draft_params'), ','):>14}  {' '.join(r['overrides'])}"
         )
     return "\n".join(lines)
 

@@ -19,6 +19,7 @@ repeating or skipping data, and 1 rank x accum 2 sees exactly what 2 ranks x acc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from collections.abc import Iterator
@@ -74,7 +75,7 @@ class OfflineSource:
 
     kind = "offline"
 
-    def __init__(self, path: str | os.PathLike, max_len: int, holdout: int = 0):
+    def __init__(self, path: str | os.PathLike, max_len: int, holdout: int = 0, max_samples: int = 0):
         self.ds = open_features(path)
         self.path = Path(path)
         self.layer_ids: list[int] = list(self.ds.layer_ids)
@@ -83,11 +84,15 @@ class OfflineSource:
         n = len(self.ds)
         if not 0 <= holdout < n:
             raise ValueError(f"train.holdout {holdout} must be in [0, {n}) for {n} feature samples")
-        # held out by a hash of the sample id: the same samples whatever the order or the data size
+        if max_samples < 0:
+            raise ValueError(f"train.max_samples must be >= 0 (0: all), got {max_samples}")
+        # held out by a hash of the sample id: the same samples whatever the order or the data size;
+        # max_samples takes the next ones in the same order, so smaller subsets nest in larger ones
         by_hash = sorted(range(n), key=lambda i: hashlib.sha256(str(self.ds.ids[i]).encode()).hexdigest())
         held = set(by_hash[:holdout])
+        used = set(by_hash[holdout:holdout + max_samples] if max_samples else by_hash[holdout:])
         self.heldout = sorted(held)  # feature indices never trained on
-        self.index = [i for i in range(n) if i not in held]  # training index -> feature index
+        self.index = sorted(used)  # training index -> feature index
         self.lengths = [min(self.ds.lengths[i], max_len) for i in self.index]
         self.target = getattr(self.ds, "target", "")
 
@@ -98,13 +103,13 @@ class OfflineSource:
         """(input_ids, loss_mask) per sample, truncated like training, without the states."""
         from safetensors import safe_open
 
-        held, i = set(self.heldout), 0
+        used, i = set(self.index), 0
         for shard in self.ds.manifest["shards"]:
             with safe_open(str(self.path / shard["file"]), framework="pt") as f:
                 off = f.get_tensor("offsets").tolist()
                 ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
             for a, b in zip(off[:-1], off[1:]):
-                if i not in held:
+                if i in used:
                     yield ids[a:min(b, a + self.max_len)], mask[a:min(b, a + self.max_len)]
                 i += 1
 
@@ -114,8 +119,14 @@ class OfflineSource:
     def heldout_samples(self) -> list[dict[str, Any]]:
         return [self.ds[i] for i in self.heldout]
 
+    @functools.cached_property
+    def generated_tokens(self) -> int:
+        """Assistant (synthesized) tokens in the samples trained on: what the data cost to make."""
+        return sum(int(m.sum()) for _, m in self.ids_masks())
+
     def describe(self) -> dict[str, Any]:
         return {"source": self.kind, "features": str(self.path), "samples": len(self), "tokens": sum(self.lengths),
+                "generated_tokens": self.generated_tokens,
                 "heldout": len(self.heldout), "layer_ids": self.layer_ids}
 
 
@@ -179,7 +190,7 @@ def open_source(cfg: TrainConfig, target_dir: str | os.PathLike, device: str = "
     if not cfg.features:
         raise ValueError("no training data: pass --features FEAT_DIR (offline) or a conversations JSONL (online)")
     if cfg.source == "offline":
-        src = OfflineSource(cfg.features, cfg.max_len, cfg.holdout)
+        src = OfflineSource(cfg.features, cfg.max_len, cfg.holdout, cfg.max_samples)
         if cfg.layer_ids and list(cfg.layer_ids) != src.layer_ids:
             raise ValueError(f"train.layer_ids {cfg.layer_ids} != the features' layer ids {src.layer_ids}")
         return src

@@ -84,8 +84,8 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError("max_steps, ttt_steps and grad_accum must be >= 1")
     if cfg.token_budget < 8 or cfg.max_len < 8:
         raise ValueError("token_budget and max_len must be >= 8")
-    if cfg.holdout and cfg.source != "offline":
-        raise ValueError(f"train.holdout needs train.source=offline (got {cfg.source!r})")
+    if (cfg.holdout or cfg.max_samples) and cfg.source != "offline":
+        raise ValueError(f"train.holdout and train.max_samples need train.source=offline (got {cfg.source!r})")
     if not 0 < cfg.position_decay <= 1:
         raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
     if not 0 <= cfg.hard_label <= 1:
