@@ -434,10 +434,26 @@ def test_bench_levers_table(tiny_data, tmp_path, monkeypatch, capsys):
     assert "+0.100" in res["table"] and "ngram" in res["table"] and rows["hard"]["generated_tokens"] > 0
     again = levers.bench_levers(cfg, ["hard: train.hard_label=0.5, train.lr=0.001"], tmp_path / "b")
     assert again["rows"] == res["rows"] and len(served) == 3  # read back, nothing re-run
+    # a row stopped after training, before vLLM measured it: measured on the next call, not retrained
+    (tmp_path / "b/levers/hard/row.json").unlink()
+    (tmp_path / "b/levers/hard/train/serve_eval.jsonl").unlink()
+    again = levers.bench_levers(cfg, ["hard: train.hard_label=0.5, train.lr=0.001"], tmp_path / "b")
+    assert len(served) == 4 and again["rows"][2]["steps"] == 2 and again["rows"][2]["seconds_per_step"] is None
     with pytest.raises(ValueError, match="holds lever 'hard'"):
         levers.bench_levers(cfg, ["hard: train.hard_label=0.25"], tmp_path / "b")
     with pytest.raises(ValueError, match="changes nothing"):
         levers.parse_lever("lonely")
+
+    # the learning curve: nested subsets, same steps; a log fit and the tokens it predicts
+    from eyas.bench.curve import bench_curve, fit_log, predict_tokens
+
+    cur = bench_curve(cfg, [10, 0], tmp_path / "b")
+    assert [r["samples"] for r in cur["rows"]] == [10, 45] and (tmp_path / "b/learning_curve.png").stat().st_size
+    assert cur["rows"][0]["generated_tokens"] < cur["rows"][1]["generated_tokens"]
+    a, b = fit_log([(1000, 1.5), (10000, 2.0)])
+    assert predict_tokens(a, b, 2.5) == pytest.approx(100000) and predict_tokens(a, -b, 2.5) is None
+    with pytest.raises(ValueError, match="two or more"):
+        bench_curve(cfg, [0, 0], tmp_path / "b")
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tiny_data, tmp_path):

@@ -180,13 +180,15 @@ class BenchConfig:
     draft: str = ""  # an exported draft dir, ngram[:MIN:MAX] (vLLM prompt lookup) or none (plain decoding)
     out: str = ""
     prompts: str = ""  # eval prompts JSONL (default: the held-out split of the data mix)
-    what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated", "levers"] = "al"
+    what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated", "levers",
+                  "curve"] = "al"
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 6144])  # prompt tokens
     per_bucket: int = 4
     max_tokens: int = 128
     limit: int = 16  # prompts per domain
     levers: list[str] = field(default_factory=list)  # `bench levers` rows: "NAME: section.key=value, ..."
+    curve_samples: list[int] = field(default_factory=lambda: [60, 120, 240, 0])  # `bench curve`: train.max_samples
 
 
 @dataclass

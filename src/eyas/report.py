@@ -10,6 +10,7 @@ Inputs are plain dicts produced by the stages (no recomputation here):
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +73,23 @@ def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.set_xticks(conc)
     ax.set_xticklabels([str(c) for c in conc])
     return _save(fig, ax, out, "concurrency", "output tokens/s", "Throughput vs concurrency")
+
+
+def plot_learning_curve(points: list[tuple[int, float]], fit: tuple[float, float], ngram_tokens_per_step: float | None,
+                        out: Path) -> Path:
+    """True AL against generated tokens trained on (log x), the fit a + b·ln(tokens) past the last point,
+    and n-gram lookup's tokens per step on the same prompts as a line."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
+    xs = [t for t, _ in points]
+    ax.plot(xs, [al for _, al in points], "o", label="true AL (vLLM), held-out prompts")
+    lo, hi = min(xs), max(xs) * 4
+    grid = [lo * (hi / lo) ** (i / 40) for i in range(41)]
+    ax.plot(grid, [fit[0] + fit[1] * math.log(x) for x in grid], "--", label="fit a + b ln(tokens)")
+    if ngram_tokens_per_step:
+        ax.axhline(ngram_tokens_per_step, color="gray", linestyle=":", label="n-gram lookup (tokens/step)")
+    ax.set_xscale("log")
+    return _save(fig, ax, out, "generated tokens trained on", "acceptance length", "Learning curve")
 
 
 def _md_table(header: list[str], rows: list[list[Any]]) -> str:

@@ -10,6 +10,8 @@
     simulated   the simulated AL of a draft on its features against vLLM's on the same turns
     levers      an ablation table: each `bench.levers` row trained on the same features and served
                 by vLLM on the held-out prompts, beside the baseline and n-gram prompt lookup
+    curve       the learning curve: true AL against generated tokens (nested feature subsets), its
+                fit and the data it predicts for AL 2.0 / 2.5 / 3.0
 
 Every result names the machine it ran on (`eyas.host.machine()`), printed first and
 stored under "machine" in `bench_<what>.json`.
@@ -78,12 +80,17 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
         res = run_bench(target, b.limit, layer_ids=e.layer_ids or None,
                         compute_dtype="bf16" if e.compute_dtype == "auto" else e.compute_dtype, max_len=e.max_len,
                         batch_tokens=e.batch_tokens, data=e.data)
-    elif what == "levers":
-        from eyas.bench.levers import bench_levers
-
+    elif what in ("levers", "curve"):
         if not b.out:
-            raise ValueError("eyas bench levers needs --out DIR (each row trains under DIR/levers/NAME)")
-        res = bench_levers(cfg, b.levers, Path(b.out))
+            raise ValueError(f"eyas bench {what} needs --out DIR (each row trains under DIR/{what}/NAME)")
+        if what == "levers":
+            from eyas.bench.levers import bench_levers
+
+            res = bench_levers(cfg, b.levers, Path(b.out))
+        else:
+            from eyas.bench.curve import bench_curve
+
+            res = bench_curve(cfg, b.curve_samples, Path(b.out))
     elif what == "train":
         from eyas.bench.train import run_bench
 

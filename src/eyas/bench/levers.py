@@ -24,7 +24,8 @@ from eyas.acceptance import load_prompts, measure_acceptance
 from eyas.config import Recipe, apply_override, finalize
 from eyas.io import atomic_write_text
 from eyas.manifest import read_manifest
-from eyas.serve_eval import read_records, train_with_serve_eval
+from eyas.models import resolve_target
+from eyas.serve_eval import on_checkpoint, read_records, train_with_serve_eval
 
 BASELINE = "baseline"
 
@@ -74,14 +75,20 @@ def run_row(cfg: Recipe, name: str, overrides: list[str], root: Path) -> dict[st
         print(f"bench levers: {name}: read back from {row_file}", file=sys.stderr)
         return done
     r = row_recipe(cfg, overrides, out / "train")
+    r.train.resume = True  # a row stopped part way continues from its last checkpoint
     summary = train_with_serve_eval(r.train, r.eval)
-    rec = read_records(out / "train")[-1]
+    recs = [x for x in read_records(out / "train") if x["step"] == summary["step"]]
+    if not recs:  # stopped after training, before vLLM measured it
+        prompts = load_prompts(r.eval.prompts)
+        recs = [on_checkpoint(out / "train", summary["checkpoint"], summary["step"], r.eval, prompts,
+                              target=r.train.target)]
+    rec = recs[-1]
     source = (read_manifest(out / "train") or {}).get("source") or {}
     if rec.get("true_al") is None:
         raise RuntimeError(f"bench levers: {name}: vLLM did not measure the draft ({rec.get('log')})")
     row = {
         "name": name, "overrides": overrides, "steps": summary["step"],
-        "seconds_per_step": summary["elapsed_s"] / max(summary["step"], 1),
+        "seconds_per_step": _train_seconds_per_step(summary, rec),
         "samples": source.get("samples"), "generated_tokens": source.get("generated_tokens"),
         "true_al": rec["true_al"], "tokens_per_step": rec.get("tokens_per_step"), "per_pos": rec["per_pos"],
         "domains": rec["domains"],
@@ -92,13 +99,21 @@ def run_row(cfg: Recipe, name: str, overrides: list[str], root: Path) -> dict[st
     return row
 
 
+def _train_seconds_per_step(summary: dict[str, Any], rec: dict[str, Any]) -> float | None:
+    """The trainer's wall time per step less the serve-eval it waited for; None when this call did
+    not train (the row was already trained)."""
+    if "elapsed_s" not in summary or summary.get("skipped"):
+        return None
+    return (summary["elapsed_s"] - rec["eval_seconds"] - rec["export_seconds"]) / max(summary["step"], 1)
+
+
 def ngram_row(cfg: Recipe, root: Path) -> dict[str, Any]:
     """vLLM's n-gram prompt lookup on the same prompts, with the same k."""
     f = root / "ngram.json"
     if f.exists():
         return json.loads(f.read_text())
     ev = cfg.eval
-    rep = measure_acceptance(cfg.train.target, "ngram", load_prompts(ev.prompts), k=ev.k, max_tokens=ev.max_tokens,
+    rep = measure_acceptance(resolve_target(ev.target), "ngram", load_prompts(ev.prompts), k=ev.k, max_tokens=ev.max_tokens,
                              max_model_len=ev.max_model_len, kv_cache_gib=ev.kv_cache_gib, enforce_eager=ev.eager)
     row = {"name": "ngram", "overrides": [], "true_al": rep["acceptance_length"], "per_pos": rep["per_pos"],
            "tokens_per_step": rep["tokens_per_step"],
