@@ -158,6 +158,7 @@ class EvalConfig:
     by_domain: bool = True  # one batch per domain in the same engine (per-domain counters)
     timeout: int = 3600  # seconds for the vLLM subprocess
     eager: bool = True  # no torch.compile / CUDA graphs: fast start, slower decode (AL unaffected)
+    ngram: bool = True  # `eyas run`: also serve vLLM's n-gram lookup on the same prompts (the bar a draft must beat)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -111,6 +112,8 @@ def run(cfg: Recipe) -> dict[str, Any]:
         v = cfg.eval
         v.draft, v.out = str(draft), str(out / "eval.json")
         report["eval"] = evaluate(v)
+        if v.ngram:  # prompt lookup on the same prompts: tokens per target step, side by side in the report
+            report["eval_ngram"] = evaluate(dataclasses.replace(v, draft="ngram", out=str(out / "eval_ngram.json")))
 
     with _stage(timings, "bench"):
         from eyas.bench.acceptance import domain_prompts
@@ -129,8 +132,11 @@ def run(cfg: Recipe) -> dict[str, Any]:
                                             emulated=serve_target)
     paths_out = write_report(out, report)
     write_manifest(out, "run", cfg, key=key, complete=True, timings=timings, report=str(paths_out["json"]))
+    ng = report.get("eval_ngram") or {}
     print(f"\neyas run: acceptance length {report['eval'].get('acceptance_length', float('nan')):.3f} "
-          f"(k={cfg.eval.k}); report {paths_out['md']}")
+          f"(k={cfg.eval.k})" + (f"; tokens per target step {report['eval'].get('tokens_per_step') or 0:.3f} against "
+                                 f"n-gram lookup's {ng.get('tokens_per_step') or 0:.3f}" if ng else "")
+          + f"; report {paths_out['md']}")
     print("serve it with:\n  " + report["serve_command"])
     return report
 

@@ -92,6 +92,10 @@ def plot_learning_curve(points: list[tuple[int, float]], fit: tuple[float, float
     return _save(fig, ax, out, "generated tokens trained on", "acceptance length", "Learning curve")
 
 
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def _md_table(header: list[str], rows: list[list[Any]]) -> str:
     def fmt(v: Any) -> str:
         return f"{v:.3f}" if isinstance(v, float) else str(v)
@@ -119,17 +123,25 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
     atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2, default=str) + "\n")
 
     md = [f"# eyas run report: {report.get('name', '')}", ""]
+    ng = report.get("eval_ngram") or {}
     if ev:
         md += [f"**Acceptance length (vLLM, k={ev.get('k')}, greedy, held-out prompts): "
                f"{ev.get('acceptance_length', float('nan')):.3f}**", ""]
+        if ng:
+            md += [f"Tokens per target step: draft {_num(ev.get('tokens_per_step'))}, vLLM's n-gram lookup on the "
+                   f"same prompts {_num(ng.get('tokens_per_step'))} (no training: the bar a draft has to beat)", ""]
         if per_domain:
-            md += [_md_table(["domain", "AL"], [[d, v] for d, v in sorted(per_domain.items())]), ""]
+            doms = ev.get("domains") or {}
+            ngd = ng.get("domains") or {}
+            md += [_md_table(["domain", "AL", "tokens/step", "n-gram tokens/step"],
+                             [[d, v, _num(doms[d].get("tokens_per_step")), _num((ngd.get(d) or {}).get("tokens_per_step"))]
+                              for d, v in sorted(per_domain.items())]), ""]
         if per_pos:
             md += [_md_table(["position", "acceptance rate"], [[i + 1, v] for i, v in enumerate(per_pos)]), ""]
     if se:
         md += ["## Serve-in-the-loop", "", _md_table(
-            ["step", "true AL", "estimated AL", "eval s"],
-            [[r["step"], r["true_al"], r["est_al"], r.get("eval_seconds", "")] for r in se]), ""]
+            ["step", "true AL", "simulated AL (held-out features)", "trainer's estimate", "eval s"],
+            [[r["step"], r["true_al"], _num(r.get("sim_al")), r["est_al"], r.get("eval_seconds", "")] for r in se]), ""]
     if tp:
         md += ["## Throughput", "", _md_table(
             ["concurrency", "target tok/s", "spec tok/s", "speedup"],
