@@ -179,11 +179,11 @@ def test_eval_baseline_and_perfect_draft(constant_target, tmp_path):
     assert base["generated_tokens"] == 17 and base["tokens_per_s"] > 0 and base["tokens_per_step"] == 1.0
 
     # vLLM's n-gram lookup: once the reply repeats token 0, the last n-gram is found and its continuation
-    # (more 0s) proposed and accepted; it proposes nothing before a match, which tokens_per_step counts
+    # (more 0s, up to k, fewer when the match is near the end) proposed and all accepted
     ngram = measure_acceptance(constant_target, "ngram:1:2", prompts, k=3, max_tokens=17, kv_cache_gib=1)
-    assert ngram["num_drafts"] > 0 and ngram["accepted_per_pos"] == [ngram["num_drafts"]] * 3
+    assert ngram["num_drafts"] > 0 and ngram["num_accepted_tokens"] == ngram["num_draft_tokens"]
     steps = 17 - ngram["num_accepted_tokens"]
-    assert ngram["tokens_per_step"] == pytest.approx(17 / steps) and steps > ngram["num_drafts"]
+    assert ngram["tokens_per_step"] == pytest.approx(17 / steps) and ngram["tokens_per_step"] > 2
     with pytest.raises(ValueError, match="ngram:MIN:MAX"):
         measure_acceptance(constant_target, "ngram:3:1", prompts, k=3, max_tokens=17, kv_cache_gib=1)
 

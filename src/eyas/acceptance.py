@@ -83,7 +83,8 @@ def summarize(counters: dict[str, Any], k: int | None) -> dict[str, Any]:
 def tokens_per_step(generated: int, counters: dict[str, Any]) -> float | None:
     """Tokens each target forward pass made, prefill included: every step emits 1 + its accepted
     tokens. Unlike AL (per drafting step) it counts the steps where nothing was proposed, which is
-    how n-gram lookup and a draft compare on equal terms (n-gram proposes only on a match)."""
+    how n-gram lookup and a draft compare on equal terms (n-gram proposes only on a match). Exact
+    but for each request's last step, whose accepted tokens past max_tokens vLLM drops."""
     steps = generated - int(counters.get("num_accepted_tokens", 0))
     return generated / steps if generated and steps > 0 else None
 
