@@ -58,6 +58,6 @@ def bench_curve(cfg: Recipe, samples: list[int], out: Path) -> dict[str, Any]:
               f"{r.get('tokens_per_step') or float('nan'):>10.3f}{r.get('sim_al') or float('nan'):>8.3f}")
     print(f"n-gram lookup on the same prompts: {ngram['tokens_per_step']:.3f} tokens/step (AL {ngram['true_al']:.3f})")
     print(f"fit AL = {a:.3f} + {b:.3f} ln(tokens) over {span} generated tokens; extrapolated tokens for "
-          + ", ".join(f"AL {al}: {'never' if t is None else f'{t:,.0f}'}" for al, t in predicted.items()))
+          + ", ".join(f"AL {al}: {'never' if t is None else f'{t:.2g}'}" for al, t in predicted.items()))
     return {"rows": rows, "ngram": ngram, "fit": {"a": a, "b": b, "fitted_on": span}, "predicted_tokens": predicted,
             "plot": str(plot)}
