@@ -400,7 +400,7 @@ def test_bench_levers_table(tiny_data, tmp_path, monkeypatch, capsys):
     """Each lever trains on the same features with its overrides and is served once at the end; the n-gram
     row is served on the same prompts; a finished row is read back; a changed lever under an old name is refused.
     (vLLM faked here: the served path is the eval tests' and the README's table.)"""
-    from eyas import serve_eval
+    from eyas import evaluate, serve_eval
     from eyas.bench import levers
     from eyas.config import Recipe, finalize
 
@@ -414,7 +414,7 @@ def test_bench_levers_table(tiny_data, tmp_path, monkeypatch, capsys):
                 "domains": {"chat": {"acceptance_length": al}}}
 
     monkeypatch.setattr(serve_eval, "measure_acceptance", fake_measure)
-    monkeypatch.setattr(levers, "measure_acceptance", fake_measure)
+    monkeypatch.setattr(evaluate, "measure_acceptance", fake_measure)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"id": "a", "domain": "chat", "messages": [{"role": "user", "content": "Hi"}]}) + "\n")
     cfg = Recipe()

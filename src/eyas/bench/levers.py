@@ -14,17 +14,18 @@ the baseline row (the recipe as is) comes first. Rows run one after another unde
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
-from eyas.acceptance import load_prompts, measure_acceptance
+from eyas.acceptance import load_prompts
 from eyas.config import Recipe, apply_override, finalize
+from eyas.evaluate import evaluate
 from eyas.io import atomic_write_text
 from eyas.manifest import read_manifest
-from eyas.models import resolve_target
 from eyas.serve_eval import on_checkpoint, read_records, train_with_serve_eval
 
 BASELINE = "baseline"
@@ -112,9 +113,7 @@ def ngram_row(cfg: Recipe, root: Path) -> dict[str, Any]:
     f = root / "ngram.json"
     if f.exists():
         return json.loads(f.read_text())
-    ev = cfg.eval
-    rep = measure_acceptance(resolve_target(ev.target), "ngram", load_prompts(ev.prompts), k=ev.k, max_tokens=ev.max_tokens,
-                             max_model_len=ev.max_model_len, kv_cache_gib=ev.kv_cache_gib, enforce_eager=ev.eager)
+    rep = evaluate(dataclasses.replace(cfg.eval, draft="ngram", limit=0, out=""))  # the eval stage's own settings
     row = {"name": "ngram", "overrides": [], "true_al": rep["acceptance_length"], "per_pos": rep["per_pos"],
            "tokens_per_step": rep["tokens_per_step"],
            "domains": {d: v["acceptance_length"] for d, v in rep["domains"].items()}}
