@@ -294,6 +294,47 @@ def test_hard_label_mix():
     assert torch.allclose(hard, want, atol=1e-5)
 
 
+def test_lk_loss_and_peaked_positions():
+    """loss=lk is -log Σ min(p, q) per row (the acceptance probability of a sampled proposal);
+    min_prob trains only rows whose target top probability reaches it, and logs every row."""
+    V, H, B, T, K = 40, 32, 2, 12, 2
+    g = torch.Generator().manual_seed(2)
+    W = torch.randn(V, H, generator=g)
+    ids = torch.randint(0, V, (B, T), generator=g)
+    b = Batch(ids, torch.ones(B, T, dtype=torch.bool), torch.randn(B, T, 3 * H, generator=g),
+              torch.randn(B, T, H, generator=g) * 0.5)
+    model = random_draft(small_spec(V=V, Vd=V))
+    head = TargetHead(W, torch.arange(V))
+    masks = step_masks(b.loss_mask, K)
+    logits, _ = model(b.input_ids, b.aux, masks)
+    q_all = torch.softmax(b.last @ W.T, -1)  # [B, T, V] the target's distribution at each position
+    qs = [shift_left(q_all, 1 + i, 0.0)[masks[i]] for i in range(K)]  # step i's labels
+    ps = [torch.softmax(lg.float(), -1) for lg in logits]
+
+    lk, st_lk = ttt_loss(model, b, head, K, 0.5, loss="lk")
+    want = sum(0.5**i * -torch.log(torch.minimum(p, q).sum(-1)).mean() for i, (p, q) in enumerate(zip(ps, qs)))
+    assert torch.allclose(lk, want, atol=1e-5)
+    soft, st = ttt_loss(model, b, head, K, 0.5)
+    assert torch.equal(st_lk["loss_sum"], st["loss_sum"])  # the logged CE stays the soft one
+    lk.backward()
+    assert model.lm_head.weight.grad.abs().sum() > 0
+
+    thr = float(qs[0].amax(-1).median())  # about half of step 0's rows are peaked enough
+    peaked, st_p = ttt_loss(model, b, head, K, 0.5, min_prob=thr)
+    want = 0.0
+    for i, (p, q) in enumerate(zip(ps, qs)):
+        keep = q.amax(-1) >= thr
+        assert 0 < int(keep.sum()) < keep.numel()
+        want += 0.5**i * -(q[keep] * torch.log(p[keep])).sum(-1).mean()
+    assert torch.allclose(peaked, want, atol=1e-5)
+    for k in ("loss_sum", "rows", "correct"):
+        assert torch.equal(st_p[k], st[k]), k  # the counts still cover every row
+    top = max(float(q.amax()) for q in qs)
+    assert top < 1
+    none, _ = ttt_loss(model, b, head, K, 0.5, min_prob=(top + 1) / 2)  # no row is that peaked: nothing to train
+    assert float(none.detach()) == 0.0
+
+
 def test_loss_decreases_on_a_fixed_batch():
     spec = small_spec(V=100, Vd=100)
     model = random_draft(spec)

@@ -303,7 +303,7 @@ def test_fp8_draft_in_vllm(vllm_target, tmp_path):
 
 def test_exported_draft_loads_back_as_the_module(tiny_llama, tmp_path):
     """bench simulated runs the exported weights: the dropped embedding comes back from the target."""
-    from eyas.bench.simulated import load_exported
+    from eyas.draft.exported import load_exported
     from eyas.target import load_head
 
     state, cfg = random_draft(tiny_llama, draft_vocab_size=512)

@@ -12,7 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_draft import VLLM_KEYS  # the golden list of names vLLM's llama_eagle3 loads
+from test_draft import (
+    VLLM_KEYS,  # the golden list of names vLLM's llama_eagle3 loads
+    random_draft,
+    small_spec,
+)
 
 from eyas.config import ExtractConfig, TrainConfig
 
@@ -234,6 +238,81 @@ def test_two_ranks_match_one_rank(tiny_data, tmp_path):
         assert x["tokens"] == y["tokens"]
         assert x["loss"] == pytest.approx(y["loss"], rel=2e-4), (x["step"], x["loss"], y["loss"])
     assert json.loads((two / "manifest.json").read_text())["world_size"] == 2
+
+
+def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path):
+    """optimizer=muon: Muon on fc and the layer's matrices, AdamW on the rest; both optimizers' states
+    go through the DCP checkpoint (a resumed run repeats an uninterrupted one) and 2 FSDP2 ranks step
+    like one (Newton-Schulz runs on the whole matrix, not on each rank's shard)."""
+    from eyas.train import train
+    from eyas.train.loop import Optimizers, build_optimizer
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(_cfg(tiny_data, full, max_steps=6, lr_decay_steps=6, optimizer="muon"))
+    train(_cfg(tiny_data, part, max_steps=3, lr_decay_steps=6, optimizer="muon"))
+    train(_cfg(tiny_data, part, max_steps=6, lr_decay_steps=6, optimizer="muon", resume=True))
+    a, b = _metrics(full), _metrics(part)
+    assert [r["step"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), (x["step"], x["loss"], y["loss"])
+    adamw = _metrics(_trained(tiny_data, tmp_path / "adamw", max_steps=6, lr_decay_steps=6))
+    assert [r["loss"] for r in adamw][1:] != [r["loss"] for r in a][1:]  # a different update rule
+
+    model = random_draft(small_spec())
+    opts = build_optimizer(_cfg(tiny_data, tmp_path / "x", optimizer="muon"), model)
+    muon = {id(p) for p in opts[0].param_groups[0]["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in muon}
+    assert isinstance(opts, Optimizers) and names == {"fc.weight"} | {
+        f"midlayer.{m}.weight" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    _run_cli(_cfg(tiny_data, one, max_steps=4, grad_accum=2, optimizer="muon"))
+    _run_cli(_cfg(tiny_data, two, max_steps=4, grad_accum=1, optimizer="muon"), nproc=2)
+    for x, y in zip(_metrics(one), _metrics(two)):
+        assert x["loss"] == pytest.approx(y["loss"], rel=2e-4), (x["step"], x["loss"], y["loss"])
+
+
+def test_warm_start_from_an_exported_draft(tiny_data, tmp_path):
+    """train.init_from: an exported draft's weights and vocab are the start (a 0-lr step keeps them), its
+    coverage of the new data is logged; a draft for other aux layers, an FP8 one, or an init_head on top
+    is refused with the field to fix."""
+    from eyas import export
+    from eyas.checkpoints import load_draft_state
+    from eyas.draft.exported import load_exported
+
+    src = _trained(tiny_data, tmp_path / "src", max_steps=2, draft_vocab_size=512)
+    draft = export.export_checkpoint(src / "checkpoints" / "step_2", tmp_path / "draft")
+    run = _trained(tiny_data, tmp_path / "warm", max_steps=1, lr=1e-12, warmup_steps=0, init_from=str(draft))
+    state, meta = load_draft_state(run / "checkpoints" / "step_1")
+    want = load_exported(draft, tiny_data["target"]).state_dict()
+    for name, t in want.items():
+        assert torch.allclose(state[name].float(), t.float(), atol=1e-6), name  # the bf16 export, kept
+    info = json.loads((run / "manifest.json").read_text())["draft_vocab"]
+    assert info["draft_vocab_size"] == 512 and 0 < info["coverage"] <= 1  # the draft's vocab, not train's 2048
+    assert meta["draft_config"]["draft_vocab_size"] == 512
+
+    with pytest.raises(ValueError, match="init_head"):
+        _trained(tiny_data, tmp_path / "bad1", max_steps=1, init_from=str(draft), init_head="target")
+    other = tmp_path / "other"
+    shutil.copytree(draft, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["eagle_aux_hidden_state_layer_ids"] = [0, 1, 2]
+    (other / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"init_from .*aux layers \[0, 1, 2\].*extract.layer_ids"):
+        _trained(tiny_data, tmp_path / "bad2", max_steps=1, init_from=str(other))
+    fp8 = export.export_checkpoint(src / "checkpoints" / "step_2", tmp_path / "fp8", dtype="fp8")
+    with pytest.raises(ValueError, match="bf16 export"):
+        _trained(tiny_data, tmp_path / "bad3", max_steps=1, init_from=str(fp8))
+    with pytest.raises(ValueError, match="init_from .*config.json"):
+        _trained(tiny_data, tmp_path / "bad4", max_steps=1, init_from=str(tmp_path / "nowhere"))
+
+
+def _trained(data, run: Path, **kw) -> Path:
+    from eyas.train import train
+
+    train(_cfg(data, run, **kw))
+    return run
 
 
 @pytest.mark.slow

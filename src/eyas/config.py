@@ -119,6 +119,10 @@ class TrainConfig:
     init_head: Literal["random", "target"] = "random"  # target: lm_head and final norm start as the target's
     init_layer: Literal["random", "target"] = "random"  # target: the layer from the target's first and last, fc = top aux
     hard_label: float = 0.0  # weight of CE on the target's argmax mixed into the soft CE (0: soft only)
+    loss: Literal["kl", "lk"] = "kl"  # kl: soft CE to the target; lk: -log acceptance probability (-log Σ min(p, q))
+    min_target_prob: float = 0.0  # train only positions where the target's top draft-vocab prob >= this (0: all)
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: torch's Muon on the 2-D matrices of fc and the layer
+    init_from: str = ""  # warm start: an exported draft dir (eyas, vLLM or speculators format) for this target
     loss_tokens: Literal["assistant", "all"] = "assistant"  # all: prompt tokens too, against the target's distributions
     score_every: int = 1  # accuracy metrics on every Nth micro-batch (the target's full-vocab top-1: about 1/4 of a CPU step here)
     layer_ids: list[int] = field(default_factory=list)  # online source: empty = (2, L//2, L-3); offline: the features'

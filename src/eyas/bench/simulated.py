@@ -14,40 +14,17 @@ the data, since a reply that differs makes a different chain.
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from eyas.acceptance import measure_acceptance, summarize
-from eyas.draft.model import Eagle3Draft
+from eyas.draft.exported import load_exported
 from eyas.draft.simulate import simulate_samples
-from eyas.draft.spec import DraftSpec, canonical, load_draft_config
 from eyas.features import open_features
 from eyas.io import iter_jsonl
 from eyas.stage import input_manifest
-from eyas.target import load_head
-
-
-def load_exported(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) -> Eagle3Draft:
-    """An exported draft dir as the module vLLM runs: its weights (embed_tokens from the target
-    when the export dropped it; no d2t when the draft vocab is the target's)."""
-    from safetensors.torch import load_file
-
-    cfg, _ = load_draft_config(Path(draft_dir))
-    spec = DraftSpec.from_draft_config(cfg)
-    model = Eagle3Draft(spec)
-    state = {canonical(n): t for n, t in load_file(str(Path(draft_dir) / "model.safetensors")).items()}
-    if "embed_tokens.weight" not in state:
-        state["embed_tokens.weight"] = load_head(target_dir)[0]
-    if "d2t" not in state:
-        state["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.int64)
-        state["t2d"] = torch.ones(spec.vocab_size, dtype=torch.bool)
-    model.load_state_dict({n: t.float() if t.is_floating_point() else t for n, t in state.items()})
-    return model.eval()
 
 
 def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: int = 16,

@@ -228,5 +228,9 @@ class Eagle3Draft(nn.Module):
         """[..., H] -> draft-vocab logits [..., Vd]."""
         return self.lm_head(self.norm(prenorm))
 
+    def draft_ids(self) -> torch.Tensor:
+        """[Vd] int64 target ids of the draft vocab, ascending."""
+        return torch.arange(self.d2t.numel(), device=self.d2t.device) + self.d2t
+
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -112,13 +112,34 @@ def step_masks(loss_mask: torch.Tensor, steps: int) -> list[torch.Tensor]:
     return [shift_left(loss_mask, 2 + i, False) for i in range(steps)]
 
 
+def row_objective(logp: torch.Tensor, q: torch.Tensor, loss: str = "kl", hard: float = 0.0) -> torch.Tensor:
+    """logp [n, Vd] draft log-probs, q [n, Vd] target probs -> [n] per-row objective.
+
+    kl: the soft CE -Σ q log p (the KL to the target up to q's entropy, a constant).
+    lk: -log Σ_v min(p_v, q_v), the negative log of the acceptance probability of a sampled
+        proposal (1 - total variation; the "LK" loss of Samarin et al. 2026), whose gradient is
+        TV's scaled by 1/α, so it does not vanish where the draft is far off.
+    hard mixes in, with weight `hard`, the CE against q's argmax: greedy verification accepts
+    exactly argmax agreement."""
+    if loss == "kl":
+        obj = -(q * logp).sum(-1)
+    elif loss == "lk":
+        obj = -torch.log(torch.minimum(logp.exp(), q).sum(-1).clamp_min(1e-6))
+    else:
+        raise ValueError(f"unknown loss {loss!r}: kl or lk")
+    if hard:
+        obj = (1 - hard) * obj - hard * logp.gather(-1, q.argmax(-1, keepdim=True)).squeeze(-1)
+    return obj
+
+
 def ttt_loss(
     model: Eagle3Draft, batch: Batch, head: TargetHead, steps: int, decay: float, score: bool = True,
-    hard: float = 0.0,
+    hard: float = 0.0, loss: str = "kl", min_prob: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Σ_i decay^i · mean CE of step i, and raw counts per step (float64 [steps] each). The CE is
-    (1 - hard) · soft-CE against the target's distribution + hard · CE against its argmax over the
-    draft vocab (greedy verification accepts exactly argmax agreement); the counts are
+    """Σ_i decay^i · mean objective of step i (`row_objective`: soft CE or LK, with `hard` of the
+    argmax CE), and raw counts per step (float64 [steps] each). With `min_prob`, only rows where the
+    target's top probability over the draft vocab reaches it are trained (the peaked positions a draft
+    can hope to match; flat ones are noise to it); the counts still cover every row. The counts are
     loss_sum, rows, ent_sum (entropy of the soft labels: the floor of loss_sum; loss_sum - ent_sum
     is the KL) and, when `score` (the target's full-vocab top-1 is computed), scored (= rows),
     correct (draft top-1 == target top-1), cond_den/cond_num (same, among rows whose steps
@@ -137,10 +158,16 @@ def ttt_loss(
     for i, (lg, m) in enumerate(zip(logits, masks)):
         r = shift_left(rowmap, 1 + i, -1)[m]  # [n_i] rows of q/top for step i (>= 0: m implies tmask there)
         logp = torch.log_softmax(lg.float(), dim=-1)
-        ce = -(q[r] * logp).sum(-1)  # [n_i]
+        qr = q[r]  # [n_i, Vd]
+        ce = -(qr * logp).sum(-1)  # [n_i]
         n = ce.numel()
-        obj = ce if not hard else (1 - hard) * ce - hard * logp.gather(-1, q[r].argmax(-1, keepdim=True)).squeeze(-1)
-        total = total + (decay**i) * obj.sum() / max(n, 1)
+        obj = ce if loss == "kl" and not hard else row_objective(logp, qr, loss, hard)
+        if min_prob:
+            keep = qr.amax(-1) >= min_prob
+            obj, n_obj = obj[keep], int(keep.sum())
+        else:
+            n_obj = n
+        total = total + (decay**i) * obj.sum() / max(n_obj, 1)
         with torch.no_grad():
             stats["loss_sum"][i] = ce.detach().sum()
             stats["rows"][i] = n

@@ -164,6 +164,20 @@ def build_draft_vocab(
     return v
 
 
+def vocab_coverage(draft_ids: torch.Tensor, samples: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                   vocab_size: int) -> dict:
+    """A given draft vocab (a warm start's) over new data: `DraftVocab.info()` with its coverage."""
+    counter = TokenCounter(vocab_size)
+    for ids, mask in samples:
+        counter.add(ids, mask)
+    total = int(counter.counts.sum())
+    ids = draft_ids.to(torch.int64).cpu()
+    v = DraftVocab(ids, vocab_size, float(counter.counts[ids].sum()) / total if total else 0.0, total,
+                   int((counter.counts > 0).sum()), "")
+    check_vocab(v.d2t, v.t2d, vocab_size)
+    return v.info()
+
+
 def _cached(cache: Path, key: str) -> DraftVocab | None:
     p = cache / f"draft_vocab_{key}.safetensors"
     if not p.exists():

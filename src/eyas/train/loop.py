@@ -23,12 +23,13 @@ import torch
 from eyas.acceptance import summarize as summarize_acceptance
 from eyas.checkpoints import latest_checkpoint
 from eyas.config import TrainConfig, check_choices
+from eyas.draft.exported import load_warm_start
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.simulate import simulate_samples
 from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
-from eyas.draft.vocab import DraftVocab, build_draft_vocab
+from eyas.draft.vocab import DraftVocab, build_draft_vocab, vocab_coverage
 from eyas.manifest import write_manifest
 from eyas.models import eyas_home, resolve_target
 from eyas.stage import inherited, output_dir
@@ -90,14 +91,21 @@ def check_config(cfg: TrainConfig) -> None:
         raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
     if not 0 <= cfg.hard_label <= 1:
         raise ValueError(f"train.hard_label is the weight of the argmax CE, in [0, 1]; got {cfg.hard_label}")
+    if not 0 <= cfg.min_target_prob < 1:
+        raise ValueError(f"train.min_target_prob is a probability threshold in [0, 1); got {cfg.min_target_prob}")
+    if cfg.init_from and (cfg.init_head != "random" or cfg.init_layer != "random"):
+        raise ValueError("train.init_from starts from a trained draft: leave train.init_head and train.init_layer random")
     check_choices(cfg, "train")
 
 
-def build_vocab(cfg: TrainConfig, src, vocab_size: int, d: P.Dist):
-    """Rank 0 counts (or hits the content-keyed cache); every rank gets the same ids."""
+def build_vocab(cfg: TrainConfig, src, vocab_size: int, d: P.Dist, init: Eagle3Draft | None = None):
+    """Rank 0 counts (or hits the content-keyed cache); every rank gets the same ids. A warm start
+    keeps its draft's ids (its lm_head rows are theirs); the count then gives their coverage."""
     size = min(cfg.draft_vocab_size, vocab_size)
 
     def count():
+        if init is not None:
+            return init.draft_ids().tolist(), vocab_coverage(init.draft_ids(), src.ids_masks(), vocab_size)
         v = build_draft_vocab(src.ids_masks(), size, vocab_size, cache_dir=eyas_home() / "draft_vocab")
         return v.draft_ids.tolist(), v.info()
 
@@ -160,20 +168,59 @@ class Draft:
 
     spec: Any  # DraftSpec
     model: torch.nn.Module  # Eagle3Draft (FSDP2-wrapped when a process group is given)
-    opt: torch.optim.Optimizer
+    opt: torch.optim.Optimizer | Optimizers
     sched: WarmupCosine
     head: Any  # TargetHead
     trainable: list[torch.nn.Parameter]
 
 
+class Optimizers(list):
+    """Several torch optimizers stepped as one (DCP's get_state_dict takes the list as it is)."""
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return [g for o in self for g in o.param_groups]
+
+    def step(self) -> None:
+        for o in self:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer | Optimizers:
+    """AdamW on every trainable parameter; with `optimizer: muon`, torch's Muon on the 2-D matrices of
+    `fc` and the decoder layer (its lr matched to AdamW's update RMS, so one schedule drives both) and
+    AdamW on the rest (norms, lm_head: Muon is for hidden matrices, not output layers)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW([p for _, p in named], **adamw)
+    hidden = [p for n, p in named if p.ndim == 2 and (n.startswith("fc.") or n.startswith("midlayer."))]
+    ids = {id(p) for p in hidden}
+    return Optimizers([
+        torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+        torch.optim.AdamW([p for _, p in named if id(p) not in ids], **adamw),
+    ])
+
+
 def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[int], vocab: Any, device: torch.device,
-                precision: str, d: P.Dist | None = None, timed_head: bool = False) -> Draft:
-    """The draft for `target_dir` (embedding copied, deterministic init), AdamW, the lr schedule and the
-    target head, on `device`; sharded with FSDP2 when `d` is given."""
-    spec = DraftSpec.from_target_config(tcfg, layer_ids, vocab.size, fc_norm=cfg.fc_norm)
+                precision: str, d: P.Dist | None = None, timed_head: bool = False,
+                init: Eagle3Draft | None = None) -> Draft:
+    """The draft for `target_dir` (embedding copied, deterministic init; `init`: a warm start's
+    spec and weights), its optimizer, the lr schedule and the target head, on `device`; sharded
+    with FSDP2 when `d` is given."""
     embed, lm_head, tcfg_d = load_head(target_dir)
-    model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
-    model.init_weights(embed.float(), seed=cfg.seed)
+    if init is not None:
+        spec = init.spec
+        model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
+        model.load_state_dict(init.state_dict())
+    else:
+        spec = DraftSpec.from_target_config(tcfg, layer_ids, vocab.size, fc_norm=cfg.fc_norm)
+        model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
+        model.init_weights(embed.float(), seed=cfg.seed)
     if cfg.init_layer == "target":
         model.init_layer(target_layer(target_dir, 0), target_layer(target_dir, -1))
     if cfg.init_head == "target":
@@ -183,7 +230,7 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
     if d is not None:
         P.apply_fsdp(model, d, precision)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
+    opt = build_optimizer(cfg, model)
     sched = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps, cfg.min_lr_ratio)
     head_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     head = TargetHead(lm_head, vocab.draft_ids, softcap=tcfg_d.get("final_logit_softcapping"),
@@ -224,10 +271,14 @@ class Trainer:
         if src.hidden_size != tcfg.hidden_size:
             raise ValueError(f"features hidden size {src.hidden_size} != target hidden size {tcfg.hidden_size}: "
                              "the features were made with another target")
-        self.vocab = build_vocab(cfg, src, int(tcfg.vocab_size), d)
+        init = load_warm_start(cfg.init_from, self.target_dir, src.layer_ids) if cfg.init_from else None
+        if init is not None and self.ckpt is None:
+            _log(f"warm start from {cfg.init_from} (its draft vocab, {init.spec.draft_vocab_size} ids)", d)
+        self.vocab = build_vocab(cfg, src, int(tcfg.vocab_size), d, init)
         _log(f"draft vocab {self.vocab.size} of {self.vocab.vocab_size}: covers {self.vocab.coverage:.1%} of "
              f"{self.vocab.num_tokens} loss tokens ({self.vocab.num_seen} distinct ids seen)", d)
-        self.draft = build_draft(cfg, self.target_dir, tcfg, src.layer_ids, self.vocab, d.device, self.precision, d)
+        self.draft = build_draft(cfg, self.target_dir, tcfg, src.layer_ids, self.vocab, d.device, self.precision, d,
+                                 init=init)
         spec = self.draft.spec
         self.draft_cfg = draft_config_dict(spec)
         self.draft_meta = {"draft_config": self.draft_cfg, "layer_ids": list(spec.layer_ids),
@@ -289,7 +340,7 @@ class Trainer:
             score = win.micro == 0 or self.micro_seen % max(1, cfg.score_every) == 0
             self.micro_seen += 1
             loss, stats = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score,
-                                     hard=cfg.hard_label)
+                                   hard=cfg.hard_label, loss=cfg.loss, min_prob=cfg.min_target_prob)
             (loss / cfg.grad_accum).backward()
             win.add(loss.detach(), stats, batch.num_tokens)
         gnorm = torch.nn.utils.clip_grad_norm_(dr.trainable, cfg.grad_clip)
