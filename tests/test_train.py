@@ -308,6 +308,55 @@ def test_warm_start_from_an_exported_draft(tiny_data, tmp_path):
         _trained(tiny_data, tmp_path / "bad4", max_steps=1, init_from=str(tmp_path / "nowhere"))
 
 
+class _Payload:
+    """Unpickling this runs a shell command: what a crafted DCP `.metadata` can do."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_crafted_checkpoint_runs_nothing(tiny_data, tmp_path):
+    """Export reads a checkpoint's draft.safetensors (no pickle); resume loads DCP only when eyas signed it
+    here: a crafted dcp/.metadata executes nothing through `eyas export` or a resume, unless the user trusts it
+    (then it does: the payload is live)."""
+    import pickle
+
+    run = _trained(tiny_data, tmp_path / "run", max_steps=2)
+    ckpt = run / "checkpoints" / "step_2"
+    assert (ckpt / "draft.safetensors").exists() and (ckpt / "dcp.sig").exists()
+    marker = tmp_path / "pwned"
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+
+    proc = subprocess.run([sys.executable, "-m", "eyas", "export", "--run", str(run), "--checkpoint", "step_2",
+                           "--out", str(tmp_path / "draft")], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "draft" / "model.safetensors").exists() and not marker.exists()
+
+    proc = subprocess.run([sys.executable, "-m", "eyas", "train", *_flags(_cfg(tiny_data, run, max_steps=3)),
+                           "--resume"], capture_output=True, text=True, env=ENV, timeout=300)
+    assert proc.returncode != 0 and "not loading its DCP state" in proc.stderr and "trust_checkpoint" in proc.stderr
+    assert not marker.exists()
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
+    with pytest.raises((ValueError, RuntimeError, CheckpointException)):  # trusted: the crafted file is unpickled
+        _trained(tiny_data, run, max_steps=3, resume=True, trust_checkpoint=True)
+    assert marker.exists()
+
+    # a torn draft.safetensors names itself; a checkpoint without one says how to get one
+    from eyas.checkpoints import load_draft_state
+
+    w = ckpt / "draft.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+    with pytest.raises(ValueError, match=r"draft.safetensors: unreadable"):
+        load_draft_state(ckpt)
+    w.unlink()
+    with pytest.raises(ValueError, match=r"no draft.safetensors .*--resume"):
+        load_draft_state(ckpt)
+
+
 def _trained(data, run: Path, **kw) -> Path:
     from eyas.train import train
 

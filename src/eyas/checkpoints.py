@@ -9,10 +9,18 @@ serve-eval and the report read them here.
 
 `best` is the pointer a validator's number moves (`mark_best`); when no serve-eval ran,
 `resolve_checkpoint(run, "best")` says so and takes `latest`.
+
+Nothing here unpickles. A checkpoint's draft weights are read from its `draft.safetensors`;
+its DCP part (resume state, whose reader unpickles `dcp/.metadata`) is loaded only when
+`dcp.sig` holds an HMAC of every file under `dcp/` made with this user's key
+(`$EYAS_HOME/checkpoint.key`, created 0600 on first use), i.e. when eyas wrote it here;
+another's run dir needs the user's explicit trust (`train.trust_checkpoint`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
 import sys
@@ -24,6 +32,8 @@ from eyas.io import atomic_write_text
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
 BEST = "best"
+WEIGHTS = "draft.safetensors"
+SIGNATURE = "dcp.sig"
 
 
 def checkpoints_dir(run_dir: str | os.PathLike) -> Path:
@@ -108,28 +118,87 @@ def mark_best(run_dir: str | os.PathLike, ckpt_dir: Path, record: dict[str, Any]
 
 
 def load_draft_state(ckpt_dir: str | os.PathLike):
-    """(state_dict full on CPU with vLLM's names incl. d2t / t2d / embed_tokens, meta from draft.json).
-
-    Reads only the model part of the DCP checkpoint, without collectives (safe to call on
-    one rank while the others wait)."""
-    import warnings
-
-    import torch
-    import torch.distributed.checkpoint as dcp
+    """(state_dict full on CPU with vLLM's names incl. d2t / t2d / embed_tokens, meta from draft.json),
+    from the checkpoint's `draft.safetensors` (nothing is unpickled; no collectives, so one rank
+    may call it while the others wait). Every tensor the draft config implies must be there."""
+    from safetensors.torch import load_file
 
     from eyas.draft.model import Eagle3Draft
     from eyas.draft.spec import DraftSpec
 
     ckpt_dir = Path(ckpt_dir)
-    meta_path = ckpt_dir / "draft.json"
+    meta_path, wfile = ckpt_dir / "draft.json", ckpt_dir / WEIGHTS
     if not meta_path.exists():
         raise ValueError(f"{ckpt_dir}: no draft.json (not an eyas training checkpoint, or an unfinished one)")
-    meta = json.loads(meta_path.read_text())
-    spec = DraftSpec.from_draft_config(meta["draft_config"])
+    if not wfile.exists():
+        raise ValueError(f"{ckpt_dir}: no {WEIGHTS} (a checkpoint from before eyas wrote one); continue the run "
+                         "one step with `eyas train --resume` (add train.trust_checkpoint=true if eyas did not "
+                         "write it on this machine) and read that step")
+    try:
+        meta = json.loads(meta_path.read_text())
+        spec = DraftSpec.from_draft_config(meta["draft_config"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{meta_path}: not a draft.json eyas wrote ({type(e).__name__}: {e})") from None
+    try:
+        state = load_file(str(wfile))
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for torn files
+        raise ValueError(f"{wfile}: unreadable ({e}); use an earlier checkpoint of the run") from None
+    import torch
+
     with torch.device("meta"):
-        shell = Eagle3Draft(spec)
-    state = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in shell.state_dict().items()}
-    with warnings.catch_warnings():  # "torch.distributed is disabled ... single process": that is the intent
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load({"model": state}, checkpoint_id=str(ckpt_dir / "dcp"), no_dist=True)
-    return state, meta
+        want = Eagle3Draft(spec).state_dict()
+    bad = [n for n, t in want.items() if n not in state or tuple(state[n].shape) != tuple(t.shape)]
+    if bad:
+        raise ValueError(f"{wfile}: missing or misshapen for its draft.json: {', '.join(bad[:5])}")
+    return {n: state[n] for n in want}, meta
+
+
+def _key() -> bytes:
+    """This user's checkpoint key (32 random bytes, 0600), made on first use."""
+    from eyas.models import eyas_home
+
+    path = eyas_home() / "checkpoint.key"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            pass  # another process made it first
+        else:
+            with os.fdopen(fd, "wb") as f:
+                f.write(os.urandom(32))
+    key = path.read_bytes()
+    if len(key) != 32:
+        raise ValueError(f"{path}: a checkpoint key is 32 bytes, this one {len(key)}; remove it (checkpoints signed "
+                         "with it then need train.trust_checkpoint=true)")
+    return key
+
+
+def dcp_digest(ckpt_dir: str | os.PathLike) -> str:
+    """HMAC-SHA256, with this user's key, of every file's name and bytes under CKPT/dcp/."""
+    root = Path(ckpt_dir) / "dcp"
+    mac = hmac.new(_key(), digestmod=hashlib.sha256)
+    for f in sorted(p for p in root.rglob("*") if p.is_file()):
+        mac.update(str(f.relative_to(root)).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                mac.update(chunk)
+        mac.update(b"\0")
+    return mac.hexdigest()
+
+
+def sign_dcp(ckpt_dir: str | os.PathLike) -> None:
+    (Path(ckpt_dir) / SIGNATURE).write_text(dcp_digest(ckpt_dir) + "\n")
+
+
+def check_dcp(ckpt_dir: str | os.PathLike, trust: bool = False) -> None:
+    """Refuse to unpickle a DCP checkpoint eyas did not write here, unless `trust`."""
+    sig = Path(ckpt_dir) / SIGNATURE
+    if trust:
+        return
+    if sig.exists() and hmac.compare_digest(sig.read_text().strip(), dcp_digest(ckpt_dir)):
+        return
+    why = "it was changed after eyas wrote it" if sig.exists() else f"it has no {SIGNATURE}"
+    raise ValueError(f"{ckpt_dir}: not loading its DCP state: {why}, or it was written by another user or machine, "
+                     "and reading DCP unpickles its files (which can run code). If you trust where it came from, "
+                     "pass train.trust_checkpoint=true")

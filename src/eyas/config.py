@@ -95,6 +95,7 @@ class TrainConfig:
     source: Literal["offline", "online", "streaming"] = "offline"
     max_steps: int = 200
     resume: bool = False
+    trust_checkpoint: bool = False  # resume from DCP files eyas did not sign here (reading DCP unpickles)
     ttt_steps: int = 7
     position_decay: float = 0.8
     draft_vocab_size: int = 8192

@@ -3,14 +3,16 @@
     RUN/checkpoints/step_N/
         dcp/                 model + optimizer, sharded (any world size can load it)
         trainer.json         step, data position (global), schedule, world size that wrote it
-        rng/rank_R.pt        RNG states per rank
+        dcp.sig              HMAC of dcp/ with this user's key: resume loads only what eyas wrote here
+        draft.safetensors    the full draft state (vLLM's names): what export and serve-eval read
+        rng/rank_R.safetensors  RNG states per rank
         draft.json           draft config.json dict, layer ids, draft vocab info, target path
     RUN/checkpoints/latest   the name of the newest complete checkpoint ("step_N"; names: eyas.checkpoints)
 
 Every rank writes its DCP shards into `.tmp_step_N/`; rank 0 adds the JSON files and
 renames the directory, then updates `latest`, so a kill never leaves a checkpoint that
-looks complete. Readers (export, serve-eval) take the draft weights back with
-`eyas.checkpoints.load_draft_state`, with or without a process group.
+looks complete. Readers (export, serve-eval) take the draft weights back from
+`draft.safetensors` with `eyas.checkpoints.load_draft_state` (no pickle, no process group).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 
 import torch
 
-from eyas.checkpoints import checkpoints_dir, mark_latest, step_name
+from eyas.checkpoints import WEIGHTS, check_dcp, checkpoints_dir, mark_latest, sign_dcp, step_name
 
 
 def _save_rng_state(path: Path) -> None:
@@ -71,7 +73,8 @@ def save_checkpoint(
     """Collective: every rank calls it. Returns RUN/checkpoints/step_N."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
     ck = checkpoints_dir(run_dir)
     final, tmp = ck / step_name(step), ck / f".tmp_{step_name(step)}"
@@ -84,11 +87,15 @@ def save_checkpoint(
         dist.barrier()
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     (tmp / "rng").mkdir(exist_ok=True)
     _save_rng_state(tmp / "rng" / f"rank_{rank}.safetensors")
     if world > 1:
         dist.barrier()
     if rank == 0:
+        save_file({n: t.detach().contiguous() for n, t in full.items()}, str(tmp / WEIGHTS),
+                  metadata={"format": "pt", "step": str(step)})
+        sign_dcp(tmp)
         (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": world}, indent=2) + "\n")
         (tmp / "draft.json").write_text(json.dumps({**draft_meta, "step": step}, indent=2, default=str) + "\n")
         if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
@@ -101,13 +108,16 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int
+    ckpt_dir: str | os.PathLike, model: torch.nn.Module, optimizer: torch.optim.Optimizer, rank: int,
+    trust: bool = False,
 ) -> dict[str, Any]:
-    """Collective: load model + optimizer (resharded to this world) and return trainer.json."""
+    """Collective: load model + optimizer (resharded to this world) and return trainer.json. The DCP
+    files are read only when eyas signed them here (`eyas.checkpoints.check_dcp`) or `trust`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     ckpt_dir = Path(ckpt_dir)
+    check_dcp(ckpt_dir, trust)
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))

@@ -298,7 +298,7 @@ class Trainer:
 
     def _resume(self) -> int:
         cfg, d, ckpt, dr = self.cfg, self.d, self.ckpt, self.draft
-        st = load_checkpoint(ckpt, dr.model, dr.opt, d.rank)
+        st = load_checkpoint(ckpt, dr.model, dr.opt, d.rank, trust=cfg.trust_checkpoint)
         if st.get("draft_config") not in (None, self.draft_cfg):
             raise ValueError(f"cannot resume {ckpt}: it was trained with another draft config")
         if not torch.equal(dr.model.d2t.cpu(), self.vocab.d2t):
