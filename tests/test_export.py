@@ -25,6 +25,10 @@ def draft_bf16(tiny_llama, tmp_path_factory) -> Path:
 
 
 def test_write_draft_layout(draft_bf16, tiny_llama):
+    umask = os.umask(0)
+    os.umask(umask)
+    for f in draft_bf16.iterdir():  # other users can serve it (safetensors alone writes 0600)
+        assert f.stat().st_mode & 0o777 == 0o666 & ~umask, f
     cfg = json.loads((draft_bf16 / "config.json").read_text())
     tcfg = json.loads((tiny_llama / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"

@@ -31,7 +31,7 @@ from eyas.draft.spec import (
     speculators_config,
 )
 from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
-from eyas.io import atomic_write_text
+from eyas.io import atomic_write_text, plain_mode
 from eyas.manifest import read_manifest, sha256_file, sha256_text, tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.stage import claim, say_complete
@@ -122,6 +122,7 @@ def write_draft(
         stage = Path(tmp) / "draft"
         stage.mkdir()
         save_file(tensors, str(stage / "model.safetensors"), metadata={"format": "pt"})
+        plain_mode(stage / "model.safetensors")  # servable by other users, like the rest of the dir
         (stage / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         for name in TOKENIZER_FILES:
             if (target_dir / name).exists():

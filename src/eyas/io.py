@@ -21,6 +21,14 @@ from pathlib import Path
 from typing import Any
 
 
+def plain_mode(path: str | os.PathLike) -> None:
+    """Give a file the mode a plain `open(..., "w")` would (0666 less the umask): safetensors and
+    mkstemp write 0600, which keeps other users from serving or reading what eyas made."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path` (`.NAME.tmp.PID`) for the caller to write. When the block
@@ -31,9 +39,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
     try:
         yield tmp
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        plain_mode(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from eyas.checkpoints import WEIGHTS, check_dcp, checkpoints_dir, mark_latest, sign_dcp, step_name
+from eyas.io import plain_mode
 
 
 def _save_rng_state(path: Path) -> None:
@@ -95,6 +96,7 @@ def save_checkpoint(
     if rank == 0:
         save_file({n: t.detach().contiguous() for n, t in full.items()}, str(tmp / WEIGHTS),
                   metadata={"format": "pt", "step": str(step)})
+        plain_mode(tmp / WEIGHTS)
         sign_dcp(tmp)
         (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": world}, indent=2) + "\n")
         (tmp / "draft.json").write_text(json.dumps({**draft_meta, "step": step}, indent=2, default=str) + "\n")
