@@ -30,12 +30,31 @@ def test_overrides_typed():
         ("train.max_steps=abc", "train.max_steps: expected int"),
         ("train.resume=maybe", "expected true/false"),
         ("max_steps=3", "must name its section"),
+        ("train.lr=0", "train.lr: 0.0 must be > 0"),
+        ("data.max_per_source=-3", "data.max_per_source: -3 must be >= 0"),
+        ("bench.concurrency=1,0", "bench.concurrency: 0 must be > 0"),
+        ("data.eval_fraction=1.5", "data.eval_fraction: 1.5 is a fraction"),
     ],
 )
 def test_bad_overrides_are_refused(override, needle):
     with pytest.raises(ValueError, match=None) as e:
         C.load_recipe("demo", [override])
     assert needle in str(e.value)
+
+
+def test_string_fields_keep_what_was_typed(tmp_path, monkeypatch):
+    """A string field takes the command line's text as written (YAML would make `no` False and `0x10` 16);
+    in a recipe file an unquoted yes/no for a string is refused with the fix; a dir named like a recipe
+    does not shadow it."""
+    cfg = C.load_recipe("demo", ["run.out=no", "export.checkpoint=0x10", "train.init_from=1e3"])
+    assert cfg.run.out == "no" and cfg.export.checkpoint == "0x10" and cfg.train.init_from == "1e3"
+    p = tmp_path / "r.yaml"
+    p.write_text("run:\n  out: no\n")
+    with pytest.raises(ValueError, match=r"r.yaml:run.out: expected a string, got the boolean False; quote it"):
+        C.load_recipe(str(p))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "demo").mkdir()
+    assert C.load_recipe("demo").train.ttt_steps == 3
 
 
 def test_bad_recipe_file(tmp_path):

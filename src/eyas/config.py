@@ -272,6 +272,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return ""
         if isinstance(value, (dict, list)):
             raise ValueError(f"{where}: expected a string, got {value!r}")
+        if isinstance(value, bool):  # YAML reads no/yes/off/on as booleans
+            raise ValueError(f"{where}: expected a string, got the boolean {value!r}; quote it (\"no\") in YAML")
         return str(value)
     raise AssertionError(f"unsupported config type {tp} at {where}")
 
@@ -331,13 +333,41 @@ def finalize(cfg: Recipe) -> Recipe:
             sec.target = cfg.run.target
     for name in SECTIONS:
         check_choices(getattr(cfg, name), name)
+        check_bounds(getattr(cfg, name), name)
     return cfg
+
+
+# Numbers must be >= 0 (no field has a meaning below 0); these must be > 0, these are fractions.
+POSITIVE = {"run.nproc", "synth.max_tokens", "synth.concurrency", "synth.max_model_len", "synth.kv_cache_gib",
+            "synth.top_p", "extract.samples_per_shard", "extract.batch_tokens", "extract.kv_cache_gib",
+            "train.max_steps", "train.ttt_steps", "train.position_decay", "train.draft_vocab_size", "train.lr",
+            "train.grad_clip", "train.grad_accum", "train.token_budget",
+            "eval.k", "eval.max_tokens", "eval.max_model_len", "eval.kv_cache_gib", "eval.timeout",
+            "bench.concurrency", "bench.context_buckets", "bench.per_bucket", "bench.max_tokens"}
+FRACTIONS = {"data.eval_fraction", "synth.top_p", "train.position_decay", "train.min_lr_ratio", "train.hard_label",
+             "train.min_target_prob"}
+
+
+def check_bounds(section: Any, where: str) -> None:
+    """Every number of a section (list items too) within its field's range; ValueError names the field."""
+    for key, tp in typing.get_type_hints(type(section)).items():
+        name = f"{where}.{key}"
+        vals = getattr(section, key)
+        vals = vals if isinstance(vals, list) else [vals]
+        for v in vals:
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            if v < 0 or (name in POSITIVE and v <= 0):
+                need = "> 0" if name in POSITIVE else ">= 0"
+                raise ValueError(f"{name}: {v!r} must be {need}")
+            if name in FRACTIONS and v > 1:
+                raise ValueError(f"{name}: {v!r} is a fraction, at most 1")
 
 
 def resolve_recipe_path(recipe: str) -> Path:
     """A recipe is a name under `recipes/` (`demo`) or a path to a YAML file."""
     p = Path(recipe)
-    if p.suffix in (".yaml", ".yml") or p.exists():
+    if p.suffix in (".yaml", ".yml") or p.is_file():
         if not p.exists():
             raise ValueError(f"recipe file {p} does not exist")
         return p
@@ -389,8 +419,20 @@ def apply_override(cfg: Recipe, override: str, default_section: str | None = Non
         raise ValueError(f"override {override!r} must name its section: section.key=value ({', '.join(SECTIONS)})")
     if section not in SECTIONS:
         raise ValueError(f"override {override!r}: unknown section {section!r}; valid sections: {', '.join(SECTIONS)}")
-    value = yaml.safe_load(raw) if raw != "" else ""
-    set_values(cfg, section, {name: value}, f"override {section}")
+    set_values(cfg, section, {name: _parse_raw(cfg, section, name, raw)}, f"override {section}")
+
+
+def _parse_raw(cfg: Recipe, section: str, name: str, raw: str) -> Any:
+    """A command-line value: taken as written for a string field (`run.out=no` is the dir "no",
+    `export.checkpoint=0x10` the name "0x10"), read as YAML otherwise (numbers, lists, true/false)."""
+    section, name = ALIASES.get((section, name), (section, name))
+    tp = typing.get_type_hints(type(getattr(cfg, section))).get(name)
+    if tp is str or raw == "":
+        return raw
+    try:
+        return yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw  # _coerce names the field and what it expected
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:
