@@ -263,6 +263,23 @@ def test_offline_fp8_vs_bf16(tmp_path, tiny_llama):
     assert open_features(tmp_path / "bf16").manifest["created"] == man["created"]
 
 
+def test_offline_refuses_empty_input(tmp_path, tiny_llama):
+    """An empty conversations file, or one whose conversations have no assistant token within max_len,
+    is an error naming the file, never a complete 0-sample feature dir."""
+    from eyas.extract import extract
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match=r"empty.jsonl: no conversations"):
+        extract(ExtractConfig(target=str(tiny_llama), data=str(empty), out=str(tmp_path / "f1"), backend="hf"))
+    assert not (tmp_path / "f1").exists()
+    noasst = tmp_path / "noasst.jsonl"
+    noasst.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(ValueError, match=r"noasst.jsonl: none of its 1 conversations has an assistant token"):
+        extract(ExtractConfig(target=str(tiny_llama), data=str(noasst), out=str(tmp_path / "f2"), backend="hf"))
+    assert json.loads((tmp_path / "f2" / "manifest.json").read_text())["complete"] is False
+
+
 def test_offline_killed_resumes(tmp_path, tiny_llama):
     """SIGKILL `eyas extract` after its first shard; the rerun finishes; shards verify; no id twice."""
     from eyas.extract import make_extractor

@@ -78,6 +78,18 @@ def tok_template(embedded_target):
     return load_tokenizer(embedded_target), load_chat_template(embedded_target)
 
 
+def test_no_usable_prompts_is_an_error_not_a_complete_synthesis(tmp_path, embedded_target):
+    """An empty or all-invalid prompts file names itself and what was wrong; nothing is written."""
+    for name, lines in (("empty", []), ("bad", ["{not json", {"messages": [U("no id")]}, {"id": "x", "messages": []}])):
+        prompts = write_jsonl(tmp_path / f"{name}.jsonl", lines)
+        out = tmp_path / f"out_{name}"
+        cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(out))
+        with pytest.raises(ValueError, match=rf"{name}.jsonl: no usable prompts") as e:
+            synthesize(cfg, engine=object())
+        assert name == "empty" or ("invalid_json" in str(e.value) and "missing_id" in str(e.value))
+        assert read_manifest(out) is None
+
+
 def test_skips_multiturn_failures_and_rerun(tmp_path, embedded_target, tok_template):
     tok, template = tok_template
     prompts = write_jsonl(tmp_path / "p.jsonl", [

@@ -84,8 +84,8 @@ def extract(cfg: ExtractConfig) -> Path:
         "template_hash": renderer.template_hash,
         "max_len": cfg.max_len,
     }
+    convs = read_conversations(cfg.data, cfg.limit)  # refuses an empty file before anything is written
     writer = FeatureWriter(cfg.out, header, cfg.samples_per_shard)
-    convs = read_conversations(cfg.data, cfg.limit)
     done = writer.done_ids
     prev = read_manifest(cfg.out) or {}
     done |= set(prev.get("skipped_ids", []))
@@ -122,6 +122,10 @@ def extract(cfg: ExtractConfig) -> Path:
         if extractor is not None:
             extractor.close()
     skipped = sorted(set(prev.get("skipped_ids", [])) | set(skipped))
+    if not writer.shards:
+        writer.write_manifest(complete=False, skipped_no_assistant=len(skipped), skipped_ids=skipped)
+        raise ValueError(f"{cfg.data}: none of its {len(convs)} conversations has an assistant token within "
+                         f"extract.max_len={cfg.max_len}: nothing to train on (raise max_len, or check the file)")
     man = writer.finish(skipped_no_assistant=len(skipped), skipped_ids=skipped)
     _log(f"done: {man['num_samples']} samples, {man['num_tokens']} tokens, {man['truncated']} truncated, "
          f"{len(skipped)} without assistant tokens skipped, {man['bytes'] / 1e6:.1f} MB in {man['num_shards']} shards")

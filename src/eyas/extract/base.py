@@ -65,6 +65,8 @@ def read_conversations(path: str | os.PathLike, limit: int = 0) -> list[dict[str
         out.append({**conv, "id": cid})
         if limit and len(out) >= limit:
             break
+    if not out:
+        raise ValueError(f"{p}: no conversations (an empty file); make one with `eyas synth`")
     return out
 
 

@@ -194,12 +194,16 @@ def synthesize(cfg: SynthConfig, engine=None) -> Path:
     tok = load_tokenizer(target)
     template = load_chat_template(target, cfg.chat_template, tok=tok)
     key = _key(cfg, target, template)
+    convs, input_skips = conversations_to_run(cfg.prompts, cfg.limit, cfg.turns)
+    if not convs:
+        why = ", ".join(f"{n} {r}" for r, n in sorted(input_skips.items())) or "the file is empty"
+        raise ValueError(f"{cfg.prompts}: no usable prompts ({why}); each line needs an id and messages "
+                         "[{role, content}, ...] (make one with `eyas data fetch` / `eyas data mix`)")
     o = claim(out, "synth", key)
     if o.complete:
         say_complete("synth", out, f"{o.manifest['counts']['ok']} conversations")
         return out
 
-    convs, input_skips = conversations_to_run(cfg.prompts, cfg.limit, cfg.turns)
     done = {str(r["id"]) for r in scan_jsonl(out / OUT_FILE, "eyas synth")} | {str(r["id"]) for r in scan_jsonl(out / SKIP_FILE, "eyas synth")}
     todo = [c for c in convs if c.id not in done]
     sampling = {"temperature": cfg.temperature, "top_p": cfg.top_p, "max_tokens": cfg.max_tokens, "seed": cfg.seed}
