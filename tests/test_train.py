@@ -357,6 +357,37 @@ def test_a_crafted_checkpoint_runs_nothing(tiny_data, tmp_path):
         load_draft_state(ckpt)
 
 
+def test_features_of_another_target_or_corrupt_shards_are_refused(tiny_data, tmp_path):
+    """Training checks that the features come from its target (tokenizer files and weights) and that each
+    shard's bytes match the manifest's sha256 (on first read), and names the file and the fix."""
+    from safetensors.torch import load_file, save_file
+
+    other = tmp_path / "other"  # same architecture and tokenizer, one weight changed: a "fine-tune"
+    shutil.copytree(tiny_data["target"], other)
+    sd = load_file(str(other / "model.safetensors"))
+    name = next(n for n in sd if n.endswith("mlp.down_proj.weight"))
+    sd[name] = sd[name] + 0.01
+    save_file(sd, str(other / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"whose weights differ from the target .*other"):
+        _trained(tiny_data, tmp_path / "r1", max_steps=1, target=str(other))
+    tok = tmp_path / "tok"  # same weights, another tokenizer
+    shutil.copytree(tiny_data["target"], tok)
+    tc = json.loads((tok / "tokenizer_config.json").read_text())
+    tc["model_max_length"] = 12345
+    (tok / "tokenizer_config.json").write_text(json.dumps(tc))
+    with pytest.raises(ValueError, match=r"made with the tokenizer of"):
+        _trained(tiny_data, tmp_path / "r2", max_steps=1, target=str(tok))
+
+    feats = tmp_path / "feats"
+    shutil.copytree(tiny_data["features"], feats)
+    shard = sorted(feats.glob("shard-*.safetensors"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[-100:-90] = bytes(10)  # 10 bytes of hidden state zeroed: loads fine, trains on wrong numbers
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=rf"{shard.name}: sha256 differs .*eyas extract verify"):
+        _trained(tiny_data, tmp_path / "r3", max_steps=1, features=str(feats))
+
+
 def _trained(data, run: Path, **kw) -> Path:
     from eyas.train import train
 

@@ -222,6 +222,7 @@ class FeatureDataset:
         self._files: OrderedDict[int, Any] = OrderedDict()
         self._offsets: dict[int, list[int]] = {}
         self._max_open = max_open
+        self._checked: set[int] = set()  # shards whose sha256 matched the manifest
         self._lengths: list[int] | None = None
 
     def __len__(self) -> int:
@@ -233,7 +234,14 @@ class FeatureDataset:
         if si in self._files:
             self._files.move_to_end(si)
             return self._files[si]
-        f = safe_open(str(self.path / self.manifest["shards"][si]["file"]), framework="pt")
+        shard = self.manifest["shards"][si]
+        path = self.path / shard["file"]
+        if si not in self._checked:  # once per shard: the bytes are then in the page cache for the reads
+            if shard.get("sha256") and sha256_file(path) != shard["sha256"]:
+                raise ValueError(f"{path}: sha256 differs from {self.path}/manifest.json (corrupt or modified); "
+                                 f"`eyas extract verify {self.path}` lists every bad shard; re-extract them")
+            self._checked.add(si)
+        f = safe_open(str(path), framework="pt")
         self._files[si] = f
         if si not in self._offsets:
             self._offsets[si] = f.get_tensor("offsets").tolist()

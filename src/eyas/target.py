@@ -17,6 +17,7 @@ config; tensor names are looked up by suffix, the shortest first (the language m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -75,6 +76,28 @@ def resolve_layer_ids(layer_ids: list[int] | tuple[int, ...] | None, num_layers:
             "stored as last_hidden_states)"
         )
     return sorted(ids)
+
+
+def target_fingerprint(target: str | os.PathLike, sample: int = 256) -> str:
+    """Identity (not integrity) of a model dir in a few small reads: sha256 over config.json and,
+    per weights file, its safetensors header and `sample` bytes from the middle of every tensor.
+    Another checkpoint of the same architecture (a fine-tune, even of one matrix; a quantized
+    copy) differs; hashing every byte of a 1 TB target would take as long as loading it."""
+    d = Path(target)
+    h = hashlib.sha256()
+    if (d / "config.json").exists():
+        h.update((d / "config.json").read_bytes())
+    for f in sorted(d.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = fh.read(n)
+            h.update(f.name.encode() + header)
+            spans = sorted(tuple(v["data_offsets"]) for k, v in json.loads(header).items() if k != "__metadata__")
+            for a, b in spans:
+                at = 8 + n + a + max(0, (b - a - sample) // 2)
+                fh.seek(at)
+                h.update(fh.read(min(sample, b - a)))
+    return h.hexdigest()
 
 
 def weight_map(target: str | os.PathLike) -> dict[str, str]:

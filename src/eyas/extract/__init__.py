@@ -40,7 +40,7 @@ from eyas.manifest import read_manifest, sha256_file
 from eyas.models import resolve_target
 from eyas.stage import output_dir
 from eyas.target import facts as target_facts
-from eyas.target import resolve_layer_ids
+from eyas.target import resolve_layer_ids, target_fingerprint
 
 __all__ = ["BACKENDS", "COMPUTE_DTYPES", "MODES", "Extractor", "Renderer", "cli", "extract", "extractor_from_config",
            "make_extractor", "read_conversations", "resolve_compute_dtype"]
@@ -81,6 +81,7 @@ def extract(cfg: ExtractConfig) -> Path:
         "hidden_size": facts["hidden_size"],
         "num_target_layers": facts["num_layers"],
         "tokenizer_hash": renderer.tokenizer_hash,
+        "target_fingerprint": target_fingerprint(target),
         "template_hash": renderer.template_hash,
         "max_len": cfg.max_len,
     }

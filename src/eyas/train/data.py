@@ -95,6 +95,7 @@ class OfflineSource:
         self.index = sorted(used)  # training index -> feature index
         self.lengths = [min(self.ds.lengths[i], max_len) for i in self.index]
         self.target = getattr(self.ds, "target", "")
+        self.manifest = self.ds.manifest  # provenance: the trainer checks it against its target
 
     def __len__(self) -> int:
         return len(self.index)

@@ -238,6 +238,22 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
     return Draft(spec, model, opt, sched, head, trainable)
 
 
+def check_provenance(features: dict[str, Any], where: str, target_dir: str) -> None:
+    """Offline features must come from this target: same tokenizer files, same weights (by
+    `target_fingerprint`, when the features recorded one). Hidden states of another model with the
+    same width would train a draft that vLLM loads and that accepts nothing."""
+    from eyas.manifest import tokenizer_hash
+    from eyas.target import target_fingerprint
+
+    made_by = features.get("target", "?")
+    if features.get("tokenizer_hash") and features["tokenizer_hash"] != tokenizer_hash(target_dir):
+        raise ValueError(f"{where}: made with the tokenizer of {made_by}, not of the target {target_dir}: "
+                         "extract features from this target (or train for theirs)")
+    if features.get("target_fingerprint") and features["target_fingerprint"] != target_fingerprint(target_dir):
+        raise ValueError(f"{where}: made by {made_by}, whose weights differ from the target {target_dir}: "
+                         "extract features from this target (or train for theirs)")
+
+
 class Trainer:
     """One run as verbs on its components: built in __init__ (resumed when the run dir holds a
     checkpoint), then `step` per optimizer step, `save` per checkpoint, `fit` for the loop."""
@@ -271,6 +287,7 @@ class Trainer:
         if src.hidden_size != tcfg.hidden_size:
             raise ValueError(f"features hidden size {src.hidden_size} != target hidden size {tcfg.hidden_size}: "
                              "the features were made with another target")
+        check_provenance(getattr(src, "manifest", None) or {}, cfg.features, self.target_dir)
         init = load_warm_start(cfg.init_from, self.target_dir, src.layer_ids) if cfg.init_from else None
         if init is not None and self.ckpt is None:
             _log(f"warm start from {cfg.init_from} (its draft vocab, {init.spec.draft_vocab_size} ids)", d)
