@@ -388,6 +388,22 @@ def test_features_of_another_target_or_corrupt_shards_are_refused(tiny_data, tmp
         _trained(tiny_data, tmp_path / "r3", max_steps=1, features=str(feats))
 
 
+def test_a_run_dir_resumes_only_the_same_run(tiny_data, tmp_path):
+    """A finished or resumed run dir refuses settings that change the run (lr, features, loss) and names
+    them; how long and how often to log may change."""
+    run = _trained(tiny_data, tmp_path / "run", max_steps=2)
+    with pytest.raises(ValueError, match=r"other settings \(train.lr: 0.002 -> 0.001\)"):
+        _trained(tiny_data, run, max_steps=2, lr=1e-3)  # finished: no silent "nothing to do"
+    with pytest.raises(ValueError, match=r"train.loss: 'kl' -> 'lk'.*another --out"):
+        _trained(tiny_data, run, max_steps=3, resume=True, loss="lk")
+    feats = tmp_path / "feats"
+    shutil.copytree(tiny_data["features"], feats)
+    with pytest.raises(ValueError, match=r"train.features"):
+        _trained(tiny_data, run, max_steps=3, resume=True, features=str(feats))
+    _trained(tiny_data, run, max_steps=3, resume=True, log_every=5, features=str(tiny_data["features"]) + "/")
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
+
+
 def _trained(data, run: Path, **kw) -> Path:
     from eyas.train import train
 

@@ -30,7 +30,7 @@ from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab, vocab_coverage
-from eyas.manifest import write_manifest
+from eyas.manifest import read_manifest, write_manifest
 from eyas.models import eyas_home, resolve_target
 from eyas.stage import inherited, output_dir
 from eyas.target import load_head, target_final_norm, target_layer, text_config
@@ -238,6 +238,30 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
     return Draft(spec, model, opt, sched, head, trainable)
 
 
+# What a resume may change: how long, how often to save / log / evaluate, threads and trust. Everything
+# else (data, lr, loss, draft shape, ...) changes the run, so a run dir holding it is refused.
+RESUME_MAY_CHANGE = {"target", "out", "max_steps", "resume", "trust_checkpoint", "save_every", "eval_every",
+                     "eval_limit", "log_every", "score_every", "threads", "progress", "lr_decay_steps"}
+
+
+def settings_changed(prev: dict[str, Any], cfg: TrainConfig) -> list[str]:
+    """`key: old -> new` for each training setting that differs from the run's manifest (keys the
+    manifest predates are taken as unchanged; paths compared resolved)."""
+    now = dataclasses.asdict(cfg)
+    out = []
+    for key, old in prev.items():
+        if key in RESUME_MAY_CHANGE or key not in now:
+            continue
+        new = now[key]
+        if key in ("features", "init_from") and old and new:
+            same = Path(old).resolve() == Path(new).resolve()
+        else:
+            same = old == new
+        if not same:
+            out.append(f"train.{key}: {old!r} -> {new!r}")
+    return out
+
+
 def check_provenance(features: dict[str, Any], where: str, target_dir: str) -> None:
     """Offline features must come from this target: same tokenizer files, same weights (by
     `target_fingerprint`, when the features recorded one). Hidden states of another model with the
@@ -265,6 +289,10 @@ class Trainer:
         self.done: dict[str, Any] | None = None  # set when the run dir already holds max_steps
         self.ckpt = latest_checkpoint(self.run_dir)
         if self.ckpt is not None:
+            changed = settings_changed((read_manifest(self.run_dir) or {}).get("config") or {}, cfg)
+            if changed:
+                raise ValueError(f"{self.run_dir} was trained with other settings ({'; '.join(changed)}): a resume "
+                                 "continues the same run; set them back, or choose another --out")
             step = json.loads((self.ckpt / "trainer.json").read_text())["step"]
             if step >= cfg.max_steps:
                 _log(f"{self.run_dir} already holds {self.ckpt.name} (>= max_steps {cfg.max_steps}); nothing to do", d)
