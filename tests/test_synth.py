@@ -353,6 +353,37 @@ def test_inprocess_matches_direct_llm_chat_and_survives_kill9(inproc, direct):
 
 
 @pytest.mark.slow
+def test_no_engine_outlives_a_killed_synth(slow_inputs, embedded_target, tmp_path):
+    """kill -9 of `eyas synth` alone (not its process group) while its vLLM engine runs: no process it
+    started is left 10 s later (eyas.children's watchdog)."""
+    import psutil
+
+    _, prompts, _ = slow_inputs
+    out = tmp_path / "out"
+    p = run_eyas(["--target", str(embedded_target), "--prompts", str(prompts), "--out", str(out),
+                  "--max-tokens", str(MAX_TOKENS), "--concurrency", "1", "--kv-cache-gib", "1"],
+                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        t0, kids = time.monotonic(), []
+        while not ((out / OUT_FILE).exists() and (out / OUT_FILE).read_bytes().count(b"\n") >= 1):
+            assert p.poll() is None and time.monotonic() - t0 < 300, "synth ended before writing a row"
+            kids = [c for c in psutil.Process(p.pid).children(recursive=True)
+                    if "eyas.children" not in " ".join(c.cmdline())]
+            time.sleep(0.2)
+        assert kids, "the in-process engine started no process (nothing to check)"
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait()
+        time.sleep(10)
+        left = [c for c in kids if c.is_running() and c.status() != psutil.STATUS_ZOMBIE]
+        for c in left:  # leave nothing behind for the next test even when this one fails
+            c.kill()
+        assert not left, [(c.pid, c.cmdline()[:3]) for c in left]
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
 def test_rendering_equals_vllm_llm_chat(direct, embedded_target, slow_inputs):
     tok = load_tokenizer(embedded_target)
     for name, template in (("default", load_chat_template(embedded_target)), ("custom", slow_inputs[2])):

@@ -15,6 +15,7 @@ import sys
 import typing
 
 from eyas import config as C
+from eyas.children import start_watchdog
 
 # subcommand -> (its config section, the sections its entry takes, "module:function", help).
 # A stage's entry is called as fn(*sections, actions, run): its own typed section(s), the
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         section, takes, target, _ = STAGES[args.command]
         cfg, actions = resolve(args, section)
+        start_watchdog()  # engines and ranks this command starts die with it (eyas.children)
         module, func = target.split(":")
         entry = getattr(importlib.import_module(module), func)
         if takes is None:

@@ -1,0 +1,59 @@
+"""eyas.children: what an eyas command starts dies with it, kill -9 included."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+# a parent that starts the watchdog, then a child in its own session (as eyas starts vLLM runners and
+# servers) which starts a grandchild (as a runner starts vLLM's engine core); it prints their pids
+PARENT = """
+import subprocess, sys, time
+from eyas.children import start_watchdog
+start_watchdog(poll_s=0.2)
+code = "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(g.pid, flush=True); time.sleep(600)"
+c = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+print(c.pid, c.stdout.readline().strip(), flush=True)
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_descendants_die_with_a_killed_parent():
+    env = {k: v for k, v in os.environ.items() if k != "EYAS_NO_WATCHDOG"}
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)
+    child, grandchild = (int(x) for x in parent.stdout.readline().split())
+    time.sleep(1.0)  # the watchdog has seen both
+    assert _alive(child) and _alive(grandchild)
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_alive(child) or _alive(grandchild)):
+        time.sleep(0.2)
+    assert not _alive(child) and not _alive(grandchild)
+
+
+def test_watch_kills_nothing_while_the_parent_lives_and_nothing_foreign():
+    from eyas.children import watch
+
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        # a process that exits at once: its (no) descendants are killed, the unrelated sleeper lives
+        short = subprocess.Popen([sys.executable, "-c", "pass"])
+        assert watch(short.pid, poll_s=0.1) == 0
+        assert _alive(sleeper.pid)
+        short.wait()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
