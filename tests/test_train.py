@@ -538,6 +538,12 @@ def test_init_from_target(tiny_data, tmp_path):
     sd = load_file(str(target / "model.safetensors"))
     sd["model.norm.weight"] = torch.linspace(0.5, 1.5, sd["model.norm.weight"].numel()).to(sd["model.norm.weight"])
     save_file(sd, str(target / "model.safetensors"), metadata={"format": "pt"})
+    from eyas.extract import extract  # features of this target (training checks where features come from)
+
+    feats = tmp_path / "feat"
+    extract(ExtractConfig(target=str(target), data=str(tiny_data["conv"]), out=str(feats), compute_dtype="fp32",
+                          samples_per_shard=16))
+    tiny_data = {**tiny_data, "features": feats}
     run = tmp_path / "run"
     train(_cfg(tiny_data, run, target=str(target), max_steps=1, lr=1e-12, warmup_steps=0, init_head="target",
                hard_label=0.5))
