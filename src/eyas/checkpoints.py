@@ -121,6 +121,7 @@ def load_draft_state(ckpt_dir: str | os.PathLike):
     """(state_dict full on CPU with vLLM's names incl. d2t / t2d / embed_tokens, meta from draft.json),
     from the checkpoint's `draft.safetensors` (nothing is unpickled; no collectives, so one rank
     may call it while the others wait). Every tensor the draft config implies must be there."""
+    import torch
     from safetensors.torch import load_file
 
     from eyas.draft.model import Eagle3Draft
@@ -143,8 +144,6 @@ def load_draft_state(ckpt_dir: str | os.PathLike):
         state = load_file(str(wfile))
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for torn files
         raise ValueError(f"{wfile}: unreadable ({e}); use an earlier checkpoint of the run") from None
-    import torch
-
     with torch.device("meta"):
         want = Eagle3Draft(spec).state_dict()
     bad = [n for n, t in want.items() if n not in state or tuple(state[n].shape) != tuple(t.shape)]
@@ -193,9 +192,9 @@ def sign_dcp(ckpt_dir: str | os.PathLike) -> None:
 
 def check_dcp(ckpt_dir: str | os.PathLike, trust: bool = False) -> None:
     """Refuse to unpickle a DCP checkpoint eyas did not write here, unless `trust`."""
-    sig = Path(ckpt_dir) / SIGNATURE
     if trust:
         return
+    sig = Path(ckpt_dir) / SIGNATURE
     if sig.exists() and hmac.compare_digest(sig.read_text().strip(), dcp_digest(ckpt_dir)):
         return
     why = "it was changed after eyas wrote it" if sig.exists() else f"it has no {SIGNATURE}"

@@ -126,13 +126,23 @@ def top_n_vocab(counts: torch.Tensor, size: int, key: str = "") -> DraftVocab:
     V = int(counts.numel())
     if not 0 < size <= V:
         raise ValueError(f"draft vocab size {size} must be in 1..{V} (the target vocab)")
-    seen = int((counts > 0).sum())
     # stable sort on -count keeps ascending id order among equal counts (so unseen ids fill lowest first)
     order = torch.sort(-counts, stable=True).indices
-    ids = torch.sort(order[:size]).values.to(torch.int64)
+    return vocab_from_counts(torch.sort(order[:size]).values.to(torch.int64), counts, key)
+
+
+def vocab_from_counts(ids: torch.Tensor, counts: torch.Tensor, key: str = "") -> DraftVocab:
+    """The draft vocab `ids` [Vd] with its coverage of the loss tokens counted in `counts` [V]."""
     total = int(counts.sum())
     cov = float(counts[ids].sum()) / total if total else 0.0
-    return DraftVocab(ids, V, cov, total, seen, key)
+    return DraftVocab(ids, int(counts.numel()), cov, total, int((counts > 0).sum()), key)
+
+
+def count_tokens(samples: Iterable[tuple[torch.Tensor, torch.Tensor]], vocab_size: int) -> TokenCounter:
+    counter = TokenCounter(vocab_size)
+    for ids, mask in samples:
+        counter.add(ids, mask)
+    return counter
 
 
 def build_draft_vocab(
@@ -144,9 +154,7 @@ def build_draft_vocab(
     """Count over `samples` (input_ids, loss_mask) and take the top `size`; cached in `cache_dir`
     under a key of the counted content (ids and masks), `size` and `vocab_size`."""
     cache = Path(cache_dir) if cache_dir else None
-    counter = TokenCounter(vocab_size)
-    for ids, mask in samples:
-        counter.add(ids, mask)
+    counter = count_tokens(samples, vocab_size)
     if counter.n == 0:
         raise ValueError("no samples to count the draft vocab over")
     if int(counter.counts.sum()) == 0:
@@ -167,13 +175,7 @@ def build_draft_vocab(
 def vocab_coverage(draft_ids: torch.Tensor, samples: Iterable[tuple[torch.Tensor, torch.Tensor]],
                    vocab_size: int) -> dict:
     """A given draft vocab (a warm start's) over new data: `DraftVocab.info()` with its coverage."""
-    counter = TokenCounter(vocab_size)
-    for ids, mask in samples:
-        counter.add(ids, mask)
-    total = int(counter.counts.sum())
-    ids = draft_ids.to(torch.int64).cpu()
-    v = DraftVocab(ids, vocab_size, float(counter.counts[ids].sum()) / total if total else 0.0, total,
-                   int((counter.counts > 0).sum()), "")
+    v = vocab_from_counts(draft_ids.to(torch.int64).cpu(), count_tokens(samples, vocab_size).counts)
     check_vocab(v.d2t, v.t2d, vocab_size)
     return v.info()
 

@@ -22,7 +22,7 @@ import torch
 
 from eyas.acceptance import summarize as summarize_acceptance
 from eyas.checkpoints import latest_checkpoint
-from eyas.config import TrainConfig, check_choices
+from eyas.config import TrainConfig, check_bounds, check_choices
 from eyas.draft.exported import load_warm_start
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.simulate import simulate_samples
@@ -81,18 +81,13 @@ def check_config(cfg: TrainConfig) -> None:
     output_dir(cfg.out, "--out")  # a run dir resumes by checkpoint (eyas.checkpoints), not by manifest key
     if not cfg.target:
         raise ValueError("no target: pass --target NAME|DIR")
-    if cfg.max_steps < 1 or cfg.ttt_steps < 1 or cfg.grad_accum < 1:
-        raise ValueError("max_steps, ttt_steps and grad_accum must be >= 1")
+    check_bounds(cfg, "train")  # the recipe's ranges, for a section built in code too
     if cfg.token_budget < 8 or cfg.max_len < 8:
         raise ValueError("token_budget and max_len must be >= 8")
     if (cfg.holdout or cfg.max_samples) and cfg.source != "offline":
         raise ValueError(f"train.holdout and train.max_samples need train.source=offline (got {cfg.source!r})")
-    if not 0 < cfg.position_decay <= 1:
-        raise ValueError(f"position_decay must be in (0, 1], got {cfg.position_decay}")
-    if not 0 <= cfg.hard_label <= 1:
-        raise ValueError(f"train.hard_label is the weight of the argmax CE, in [0, 1]; got {cfg.hard_label}")
-    if not 0 <= cfg.min_target_prob < 1:
-        raise ValueError(f"train.min_target_prob is a probability threshold in [0, 1); got {cfg.min_target_prob}")
+    if cfg.min_target_prob >= 1:
+        raise ValueError(f"train.min_target_prob is a probability threshold below 1; got {cfg.min_target_prob}")
     if cfg.init_from and (cfg.init_head != "random" or cfg.init_layer != "random"):
         raise ValueError("train.init_from starts from a trained draft: leave train.init_head and train.init_layer random")
     check_choices(cfg, "train")
@@ -105,7 +100,8 @@ def build_vocab(cfg: TrainConfig, src, vocab_size: int, d: P.Dist, init: Eagle3D
 
     def count():
         if init is not None:
-            return init.draft_ids().tolist(), vocab_coverage(init.draft_ids(), src.ids_masks(), vocab_size)
+            ids = init.draft_ids()
+            return ids.tolist(), vocab_coverage(ids, src.ids_masks(), vocab_size)
         v = build_draft_vocab(src.ids_masks(), size, vocab_size, cache_dir=eyas_home() / "draft_vocab")
         return v.draft_ids.tolist(), v.info()
 
