@@ -17,7 +17,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import modules of lower layers and of its own top-level package
 # (eyas.draft.model -> eyas.draft.unroll); nothing of its own layer otherwise, nothing above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("foundation", ("eyas", "eyas.host", "eyas.io", "eyas.config", "eyas.packing", "eyas.fp8", "eyas.children")),
+    ("files", ("eyas.io",)),  # atomic writes, strict readers: what the config reader and everything else use
+    ("foundation", ("eyas", "eyas.host", "eyas.config", "eyas.packing", "eyas.fp8", "eyas.children")),
     ("records", ("eyas.manifest", "eyas.target", "eyas.vllm_runner")),
     ("rules", ("eyas.stage",)),  # where a stage writes, when it skips or resumes
     ("engines", ("eyas.models", "eyas.chat")),

@@ -404,6 +404,84 @@ def test_a_run_dir_resumes_only_the_same_run(tiny_data, tmp_path):
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
 
 
+class _Measure:
+    """A checkpoint callback with serve-eval's contract (a record per call, `measured(step)`) that
+    measures nothing: it records which steps it was called for, and can stand for a kill mid-call."""
+
+    def __init__(self, die_at: int = -1):
+        self.calls: list[int] = []
+        self.records: dict[int, dict] = {}
+        self.die_at = die_at
+
+    def __call__(self, ckpt, step, estimates):
+        self.calls.append(step)
+        if step == self.die_at:
+            raise OSError("killed")  # stands for a kill during the evaluation: no record
+        self.records[step] = {"step": step, "acceptance_length": 1.0}
+        return self.records[step]
+
+    def measured(self, step):
+        return step in self.records
+
+
+def test_a_cut_off_evaluation_is_redone_on_resume(tiny_data, tmp_path):
+    """Killed during a checkpoint's evaluation (the final one, or one mid-run): re-running the same
+    command measures that checkpoint again before going on, and never twice when it has its record."""
+    from eyas.train import train
+
+    cb = _Measure(die_at=4)
+    cfg = _cfg(tiny_data, tmp_path / "run", max_steps=4, eval_every=2, resume=True)
+    with pytest.raises(RuntimeError, match="step_4"):
+        train(cfg, on_checkpoint=cb)  # killed during the final evaluation
+    assert cb.calls == [2, 4]
+    cb.die_at = -1
+    assert train(cfg, on_checkpoint=cb)["step"] == 4  # not "nothing to do": step 4 is measured now
+    assert cb.calls == [2, 4, 4] and cb.measured(4)
+    assert train(cfg, on_checkpoint=cb)["skipped"] and cb.calls == [2, 4, 4]  # measured: nothing to do
+
+    cb2 = _Measure(die_at=2)
+    cfg2 = _cfg(tiny_data, tmp_path / "run2", max_steps=4, eval_every=2, resume=True)
+    with pytest.raises(RuntimeError, match="step_2"):
+        train(cfg2, on_checkpoint=cb2)
+    cb2.die_at = -1
+    train(cfg2, on_checkpoint=cb2)
+    assert cb2.calls == [2, 2, 4]
+    assert [r["step"] for r in _metrics(tmp_path / "run2") if "loss" in r] == [1, 2, 3, 4]
+
+
+def test_other_data_at_the_same_path_is_another_run(tiny_data, tmp_path):
+    """Features rewritten in place (same path, other shards) make the run dir another run's:
+    a ChangedOutput naming the data, which `eyas run` sets aside."""
+    from eyas.stage import ChangedOutput
+
+    feats = tmp_path / "feats"
+    shutil.copytree(tiny_data["features"], feats)
+    run = _trained(tiny_data, tmp_path / "run", max_steps=2, features=str(feats))
+    man = json.loads((feats / "manifest.json").read_text())
+    man["shards"] = man["shards"][:-1]  # as if extracted again from fewer conversations
+    (feats / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(ChangedOutput, match=r"the data in .*feats") as e:
+        _trained(tiny_data, run, max_steps=3, resume=True, features=str(feats))
+    assert e.value.dir == run
+
+
+def test_damaged_checkpoint_and_torn_log_are_named(tiny_data, tmp_path):
+    """A truncated trainer.json in the latest checkpoint names itself and the previous intact one; a
+    torn last line of metrics.jsonl (a kill mid-write) is cut off on resume, not a traceback."""
+    run = _trained(tiny_data, tmp_path / "run", max_steps=2, save_every=1)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 3, "lo')
+    _trained(tiny_data, run, max_steps=3, resume=True, save_every=1)
+    assert [r["step"] for r in _metrics(run) if "loss" in r] == [1, 2, 3]
+    tj = run / "checkpoints" / "step_3" / "trainer.json"
+    tj.write_text(tj.read_text()[:40])
+    with pytest.raises(ValueError, match=r"checkpoint .*step_3 is damaged .*not valid JSON.*previous intact "
+                                         r"checkpoint, step_2"):
+        _trained(tiny_data, run, max_steps=4, resume=True, save_every=1)
+    shutil.move(str(run / "checkpoints" / "step_3"), str(tmp_path / "step_3.damaged"))
+    assert _trained(tiny_data, run, max_steps=4, resume=True, save_every=1)
+
+
 def _trained(data, run: Path, **kw) -> Path:
     from eyas.train import train
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.io import read_text
 from eyas.manifest import sha256_text
 
 ROLES = ("system", "user", "assistant")
@@ -34,7 +35,7 @@ def load_chat_template(model_dir: str | os.PathLike, template_file: str = "", to
         p = Path(template_file)
         if not p.exists():
             raise ValueError(f"chat template file {p} does not exist")
-        return p.read_text()
+        return read_text(p)
     tok = tok if tok is not None else load_tokenizer(model_dir)
     if not tok.chat_template:
         raise ValueError(f"{model_dir}: the tokenizer has no chat template; pass a template file (--chat-template)")

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eyas.io import atomic_write_text
+from eyas.io import atomic_write_text, load_safetensors, read_json
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
@@ -58,6 +58,31 @@ def latest_checkpoint(run_dir: str | os.PathLike) -> Path | None:
             return cand
     steps = sorted((int(d.name[5:]), d) for d in ck.glob("step_*") if d.name[5:].isdigit() and is_complete(d))
     return steps[-1][1] if steps else None
+
+
+def checkpoint_step(ckpt: Path) -> int:
+    """The step a complete checkpoint holds (its trainer.json). A damaged one is a ValueError naming
+    it and the previous intact checkpoint, to move it aside and resume from that one."""
+    try:
+        return int(read_json(ckpt / "trainer.json", "the checkpoint's state")["step"])
+    except (ValueError, KeyError, TypeError) as e:
+        earlier = sorted((int(d.name[5:]), d) for d in ckpt.parent.glob("step_*")
+                         if d.name[5:].isdigit() and d != ckpt and is_complete(d))
+        intact = [d for n, d in earlier if n < _step_of(ckpt) and _readable(d / "trainer.json")]
+        hint = (f"move {ckpt} out of {ckpt.parent} to resume from the previous intact checkpoint, {intact[-1].name}"
+                if intact else "no earlier checkpoint is intact; choose another --out")
+        raise ValueError(f"checkpoint {ckpt} is damaged ({e}): {hint}") from None
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(ckpt.name[5:]) if ckpt.name[5:].isdigit() else 1 << 62
+
+
+def _readable(p: Path) -> bool:
+    try:
+        return "step" in read_json(p)
+    except ValueError:
+        return False
 
 
 def mark_latest(run_dir: str | os.PathLike, ckpt: Path) -> None:
@@ -122,7 +147,6 @@ def load_draft_state(ckpt_dir: str | os.PathLike):
     from the checkpoint's `draft.safetensors` (nothing is unpickled; no collectives, so one rank
     may call it while the others wait). Every tensor the draft config implies must be there."""
     import torch
-    from safetensors.torch import load_file
 
     from eyas.draft.model import Eagle3Draft
     from eyas.draft.spec import DraftSpec
@@ -140,10 +164,7 @@ def load_draft_state(ckpt_dir: str | os.PathLike):
         spec = DraftSpec.from_draft_config(meta["draft_config"])
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"{meta_path}: not a draft.json eyas wrote ({type(e).__name__}: {e})") from None
-    try:
-        state = load_file(str(wfile))
-    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types for torn files
-        raise ValueError(f"{wfile}: unreadable ({e}); use an earlier checkpoint of the run") from None
+    state = load_safetensors(wfile, "use an earlier checkpoint of the run")
     with torch.device("meta"):
         want = Eagle3Draft(spec).state_dict()
     bad = [n for n, t in want.items() if n not in state or tuple(state[n].shape) != tuple(t.shape)]

@@ -4,14 +4,20 @@ Every stage subcommand takes `--recipe NAME|FILE`, a `--flag` for each field of 
 config section (`--max-tokens` sets `synth.max_tokens`), positional actions where the
 stage has them (`eyas models fetch NAME`), and `section.key=value` overrides. Stage
 modules are imported only when their command runs, so `eyas --help` stays instant.
+
+Errors: a user's mistake (bad input, a file or dir that cannot be read or written, a busy
+port) is one line naming the file or field and the fix, exit 2; anything else is eyas's own
+bug: its traceback, said to be one, exit 1.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
 import sys
+import traceback
 import typing
 
 from eyas import config as C
@@ -116,6 +122,38 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"eyas {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        print(f"eyas {args.command}: error: {os_error_line(e)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"eyas {args.command}: interrupted; re-run the same command to resume", file=sys.stderr)
+        return 130
+    except Exception:  # noqa: BLE001 - not the user's input: eyas's own bug
+        traceback.print_exc()
+        print(f"eyas {args.command}: this is a bug in eyas, not in your input; please report it with the "
+              "traceback above and the command line", file=sys.stderr)
+        return 1
+
+
+# what the user can do about an OSError, by errno
+_OS_FIX = {
+    errno.EACCES: "check its permissions, or choose another --out",
+    errno.EPERM: "check its permissions, or choose another --out",
+    errno.EROFS: "it is on a read-only file system: choose another --out",
+    errno.ENOENT: "check the path",
+    errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
+    errno.EISDIR: "it is a directory where a file is expected: check the path",
+    errno.ENOSPC: "the disk is full: free space or choose another --out",
+    errno.EADDRINUSE: "the port is in use: choose another port",
+}
+
+
+def os_error_line(e: OSError) -> str:
+    """One line for an OSError: the file it names, what went wrong, what to do."""
+    where = f"{e.filename}: " if e.filename else ""
+    what = e.strerror or str(e)
+    fix = _OS_FIX.get(e.errno or -1)
+    return f"{where}{what}" + (f" ({fix})" if fix else "")
 
 
 if __name__ == "__main__":

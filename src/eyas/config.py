@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import yaml
 
+from eyas.io import read_text
+
 RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
 
 
@@ -392,7 +394,7 @@ def read_recipe(recipe: str | None = None) -> Recipe:
     if recipe:
         path = resolve_recipe_path(recipe)
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(read_text(path)) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(raw, dict):

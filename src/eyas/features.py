@@ -31,7 +31,7 @@ import torch
 
 from eyas.config import ExtractConfig, choices
 from eyas.fp8 import dequantize_fp8, quantize_fp8
-from eyas.io import atomic_path
+from eyas.io import atomic_path, open_safetensors
 from eyas.manifest import read_manifest, sha256_file, write_manifest
 from eyas.stage import claim
 
@@ -295,8 +295,6 @@ def verify_features(path: str | os.PathLike) -> dict[str, Any]:
 
     Returns a summary; raises ValueError listing every problem found.
     """
-    from safetensors import safe_open
-
     path = Path(path)
     man = read_manifest(path)
     if man is None or man.get("stage") != "extract":
@@ -318,7 +316,7 @@ def verify_features(path: str | os.PathLike) -> dict[str, Any]:
         if sha256_file(p) != s["sha256"]:
             problems.append(f"{s['file']}: sha256 mismatch (corrupt or modified)")
             continue
-        with safe_open(str(p), framework="pt") as f:
+        with open_safetensors(p, "re-extract it") as f:
             ids = json.loads(f.metadata()["ids"])
             off = f.get_tensor("offsets")
             S = int(off[-1])

@@ -5,9 +5,12 @@ durably, read strictly), JSON. Nothing here knows a stage.
     atomic_write_text(path, text)   the same for text: a kill leaves the old file or the new one
     write_jsonl(path, records)      the same for a whole JSONL file
     append_jsonl(path, records)     append + fsync: what returned survives a crash right after
+    read_text(path)                 a UTF-8 text file; other bytes are a ValueError naming file:line
     iter_jsonl(path, hint, on_bad)  (line_no, object) of every non-blank line; a bad line is a ValueError
                                     naming file:line, or, with `on_bad`, reported to it and skipped
     scan_jsonl(path)                records of a file this process appends to, a torn last line cut off
+    open_safetensors(path, fix)     safetensors' safe_open; a missing, torn or foreign file is a ValueError
+    load_safetensors(path, fix)     naming it and `fix` (load_file likewise)
 """
 
 from __future__ import annotations
@@ -81,13 +84,13 @@ def iter_jsonl(path: str | os.PathLike, missing_hint: str = "",
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{p} does not exist" + (f" ({missing_hint})" if missing_hint else ""))
-    with open(p, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    with open(p, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
+                rec = json.loads(raw.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 if on_bad is None:
                     raise ValueError(f"{p}:{n}: not JSON ({e}); fix or delete that line") from None
                 on_bad(n, str(e))
@@ -123,12 +126,54 @@ def scan_jsonl(path: str | os.PathLike, who: str = "eyas") -> list[dict[str, Any
     return recs
 
 
+def read_text(path: str | os.PathLike) -> str:
+    """A UTF-8 text file the user gave; bytes that are not UTF-8 are a ValueError naming the file and where."""
+    data = Path(path).read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+
+
 def read_json(path: str | os.PathLike, what: str = "") -> dict[str, Any]:
     """A JSON object from `path`; missing or corrupt is a ValueError naming the file."""
     p = Path(path)
     if not p.exists():
         raise ValueError(f"{p} does not exist" + (f" ({what})" if what else ""))
     try:
-        return json.loads(p.read_text())
+        return json.loads(read_text(p))
     except json.JSONDecodeError as e:
         raise ValueError(f"{p}: not valid JSON ({e})") from None
+
+
+def _unreadable(path: str | os.PathLike, e: Exception, fix: str) -> ValueError:
+    return ValueError(f"{path}: not a readable safetensors file ({e})" + (f"; {fix}" if fix else ""))
+
+
+@contextlib.contextmanager
+def open_safetensors(path: str | os.PathLike, fix: str = "") -> Iterator[Any]:
+    """`safe_open(path, framework="pt")`; its errors (missing, truncated, not safetensors), here or while
+    reading inside the block, are a ValueError naming the file and `fix`."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        f = safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e, fix) from None
+    with f:
+        try:
+            yield f
+        except SafetensorError as e:
+            raise _unreadable(path, e, fix) from None
+
+
+def load_safetensors(path: str | os.PathLike, fix: str = "") -> dict[str, Any]:
+    """`safetensors.torch.load_file(path)` with the errors of `open_safetensors`."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as e:
+        raise _unreadable(path, e, fix) from None

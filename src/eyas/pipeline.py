@@ -2,8 +2,11 @@
 
     target ─▶ data mix ─▶ synth (vLLM) ─▶ extract ─▶ train (+ serve-eval in vLLM) ─▶ export ─▶ eval ─▶ bench
 
-A stage that finds its complete output skips itself, so a killed run re-run with the same
-command picks up where it stopped. The run ends with `report.json`, `report.md`, plots and
+A stage that finds its complete output skips itself and a partial one resumes (training from its
+last checkpoint, re-measuring a serve-eval that was cut off), so a killed run re-run with the same
+command picks up where it stopped. A stage whose output was made with other settings or inputs
+(a changed recipe) is set aside under `RUNDIR/superseded/` and run again; the stages after it
+see changed inputs and follow, so the parts of a run dir always agree. The run ends with `report.json`, `report.md`, plots and
 the exact `vllm serve` command for the exported draft.
 """
 
@@ -28,7 +31,7 @@ from eyas.host import machine
 from eyas.manifest import write_manifest
 from eyas.models import resolve_target
 from eyas.report import write_report
-from eyas.stage import claim, output_dir
+from eyas.stage import ChangedOutput, claim, output_dir, set_aside
 
 
 @contextlib.contextmanager
@@ -41,6 +44,19 @@ def _stage(timings: dict[str, float], name: str):
     print(f"=== {name}: {timings[name]:.0f} s ===", flush=True)
 
 
+def again_if_changed(out: Path, call):
+    """`call()`; when a stage refuses its dir inside the run dir `out` for other settings, set that
+    dir aside (moved, not deleted) and call again."""
+    try:
+        return call()
+    except ChangedOutput as e:
+        if not e.dir.resolve().is_relative_to(out) or e.dir.resolve() == out:
+            raise
+        print(f"eyas run: {e}\neyas run: the recipe changed it: moved to {set_aside(e.dir.resolve(), out)}; "
+              "running the stage again", flush=True)
+        return call()
+
+
 def _train(cfg: Recipe, nproc: int) -> None:
     """Train in-process (1 rank) or under torchrun (N ranks) with the same train and eval sections."""
     if nproc <= 1:
@@ -48,6 +64,9 @@ def _train(cfg: Recipe, nproc: int) -> None:
 
         train_with_serve_eval(cfg.train, cfg.eval)
         return
+    from eyas.train import resolve_lengths, resume_point
+
+    resume_point(resolve_lengths(cfg.train))  # a changed run dir is refused here, where `eyas run` can set it aside
     overrides = [f"{sec}.{k}={json.dumps(v) if isinstance(v, list) else v}"
                  for sec in ("train", "eval") for k, v in to_dict(getattr(cfg, sec)).items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
@@ -87,7 +106,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
 
         s = cfg.synth
         s.target, s.prompts, s.out = str(serve_target), str(train_prompts), str(out / "synth")
-        conversations = Path(synthesize(s)) / "conversations.jsonl"
+        conversations = Path(again_if_changed(out, lambda: synthesize(s))) / "conversations.jsonl"
 
     with _stage(timings, "extract"):
         e = cfg.extract
@@ -95,13 +114,14 @@ def run(cfg: Recipe) -> dict[str, Any]:
         if cfg.train.source == "offline":
             from eyas.extract import extract
 
-            extract(e)
+            again_if_changed(out, lambda: extract(e))
 
     with _stage(timings, "train"):
         t = cfg.train
         t.target, t.features, t.out = str(serve_target), str(out / "features"), str(out / "train")
+        t.resume = True  # the run dir's own training: a killed run continues from its last checkpoint
         cfg.eval.target, cfg.eval.prompts = str(serve_target), str(eval_prompts)  # serve-eval measures with eval.*
-        _train(cfg, cfg.run.nproc)
+        again_if_changed(out, lambda: _train(cfg, cfg.run.nproc))
 
     with _stage(timings, "export"):
         x = cfg.export
@@ -120,9 +140,12 @@ def run(cfg: Recipe) -> dict[str, Any]:
         from eyas.bench.throughput import bench_throughput
 
         b = cfg.bench
-        prompts = [r["messages"] for r in domain_prompts(eval_prompts, b.limit)]
-        report["throughput"] = bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens,
-                                                cfg.eval.k, out=out / "throughput.json")
+        if not b.concurrency:
+            print("eyas run: bench.concurrency is empty: no throughput bench", flush=True)
+        else:
+            prompts = [r["messages"] for r in domain_prompts(eval_prompts, b.limit)]
+            report["throughput"] = bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens,
+                                                    cfg.eval.k, out=out / "throughput.json")
 
     from eyas.serve_eval import read_records
 

@@ -109,12 +109,21 @@ def checkpoint_callback(run_dir: str | os.PathLike, ev: EvalConfig, limit: int, 
         print("eyas serve-eval: eval.prompts is not set; training without the vLLM acceptance check",
               file=sys.stderr)
         return None
-    prompts = load_prompts(ev.prompts, limit)  # read now: a bad file fails before training starts
+    return Callback(run_dir, ev, load_prompts(ev.prompts, limit), target)  # a bad prompts file fails now
 
-    def call(ckpt_dir: Path, step: int, estimates: dict[str, Any]) -> dict[str, Any]:
-        return on_checkpoint(run_dir, ckpt_dir, step, ev, prompts, estimates, target)
 
-    return call
+class Callback:
+    """The trainer's checkpoint callback: `(ckpt_dir, step, estimates) -> record`; `measured(step)`
+    tells a resumed trainer which due checkpoints still need their measurement."""
+
+    def __init__(self, run_dir: str | os.PathLike, ev: EvalConfig, prompts: list[dict[str, Any]], target: str):
+        self.run_dir, self.ev, self.prompts, self.target = run_dir, ev, prompts, target
+
+    def __call__(self, ckpt_dir: Path, step: int, estimates: dict[str, Any]) -> dict[str, Any]:
+        return on_checkpoint(self.run_dir, ckpt_dir, step, self.ev, self.prompts, estimates, self.target)
+
+    def measured(self, step: int) -> bool:
+        return any(r.get("step") == step and r.get("true_al") is not None for r in read_records(self.run_dir))
 
 
 def train_with_serve_eval(t: TrainConfig, ev: EvalConfig) -> dict[str, Any]:

@@ -15,19 +15,34 @@ its content). Anything else is refused with a message naming what is there:
   whole output anew and swaps it in (export, quantize, the model and data caches:
   `on_change="replace"`).
 
-Training resumes by checkpoint instead (`eyas.checkpoints`: a run dir holds its steps);
-eval and bench are measurements: they run every time and write their reports atomically.
+Training resumes by checkpoint instead (`eyas.checkpoints`: a run dir holds its steps) and
+refuses a run dir trained with other settings or data the same way. Eval and bench are
+measurements: they run every time and write their reports atomically.
+
+A refusal for other settings is a `ChangedOutput` naming the dir: `eyas run`, which owns its
+stages' dirs, sets such a dir aside (`set_aside`: moved, never deleted) and runs the stage
+again, so a changed recipe re-runs the stage it changes and, through their input hashes,
+every stage downstream of it.
 """
 
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eyas.manifest import read_manifest
+
+
+class ChangedOutput(ValueError):
+    """`dir` holds this stage's output for other settings or inputs (a user error outside `eyas run`)."""
+
+    def __init__(self, message: str, dir: Path):
+        super().__init__(message)
+        self.dir = Path(dir)
 
 
 @dataclass(frozen=True)
@@ -78,9 +93,23 @@ def claim(out: Path, stage: str, key: Any, on_change: str = "refuse",
             diff = sorted(k for k in set(key) | set(had) if had.get(k) != key.get(k))
         else:
             diff = ["key"]
-        raise ValueError(f"{out} holds {stage} output made with different settings (differs in: {', '.join(diff)}); "
-                         "choose another --out or delete it")
+        raise ChangedOutput(f"{out} holds {stage} output made with different settings (differs in: {', '.join(diff)}); "
+                            "choose another --out or delete it", out)
     return Output(out, man)
+
+
+def set_aside(path: Path, root: Path) -> Path:
+    """Move `path` (a stage's output inside the run dir `root`) to `root/superseded/<UTC time>/<name>`;
+    nothing is deleted. Returns where it went."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    dest = Path(root) / "superseded" / stamp / Path(path).relative_to(root)
+    n = 1
+    while dest.exists():  # two set-asides in the same second
+        dest = dest.with_name(f"{Path(path).name}.{n}")
+        n += 1
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    Path(path).rename(dest)
+    return dest
 
 
 def input_manifest(path: str | Path) -> dict[str, Any] | None:

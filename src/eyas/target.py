@@ -23,7 +23,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from eyas.io import read_json
+from eyas.io import open_safetensors, read_json
 
 
 def config_dict(target: str | os.PathLike) -> dict[str, Any]:
@@ -82,7 +82,8 @@ def target_fingerprint(target: str | os.PathLike, sample: int = 256) -> str:
     """Identity (not integrity) of a model dir in a few small reads: sha256 over config.json and,
     per weights file, its safetensors header and `sample` bytes from the middle of every tensor.
     Another checkpoint of the same architecture (a fine-tune, even of one matrix; a quantized
-    copy) differs; hashing every byte of a 1 TB target would take as long as loading it."""
+    copy) differs; hashing every byte of a 1 TB target would take as long as loading it. A weights
+    file shorter than its header says (a download cut off) is a ValueError naming it."""
     d = Path(target)
     h = hashlib.sha256()
     if (d / "config.json").exists():
@@ -92,7 +93,15 @@ def target_fingerprint(target: str | os.PathLike, sample: int = 256) -> str:
             n = int.from_bytes(fh.read(8), "little")
             header = fh.read(n)
             h.update(f.name.encode() + header)
-            spans = sorted(tuple(v["data_offsets"]) for k, v in json.loads(header).items() if k != "__metadata__")
+            try:
+                spans = sorted(tuple(v["data_offsets"]) for k, v in json.loads(header).items() if k != "__metadata__")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{f}: not a readable safetensors file (bad header: {e}); fetch or convert the "
+                                 "target again") from None
+            need, size = 8 + n + max((b for _, b in spans), default=0), f.stat().st_size
+            if size < need:
+                raise ValueError(f"{f}: not a readable safetensors file (truncated: {size:,} of {need:,} bytes); "
+                                 "fetch or convert the target again")
             for a, b in spans:
                 at = 8 + n + a + max(0, (b - a - sample) // 2)
                 fh.seek(at)
@@ -102,8 +111,6 @@ def target_fingerprint(target: str | os.PathLike, sample: int = 256) -> str:
 
 def weight_map(target: str | os.PathLike) -> dict[str, str]:
     """{tensor name: file name} from the safetensors index, or by opening every shard."""
-    from safetensors import safe_open
-
     d = Path(target)
     index = d / "model.safetensors.index.json"
     if index.exists():
@@ -113,7 +120,7 @@ def weight_map(target: str | os.PathLike) -> dict[str, str]:
         raise ValueError(f"{d}: no *.safetensors weights (eyas reads the target's tensors from them)")
     where: dict[str, str] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as sf:
+        with open_safetensors(f, "fetch or convert the target again") as sf:
             where.update({k: f.name for k in sf.keys()})
     return where
 
@@ -125,12 +132,10 @@ def find_tensor(where: dict[str, str], suffix: str) -> str | None:
 
 
 def read_tensor(target: str | os.PathLike, name: str, where: dict[str, str] | None = None):
-    from safetensors import safe_open
-
     where = where if where is not None else weight_map(target)
     if name not in where:
         raise ValueError(f"{target}: no tensor {name!r} in the safetensors")
-    with safe_open(str(Path(target) / where[name]), framework="pt") as sf:
+    with open_safetensors(Path(target) / where[name], "fetch or convert the target again") as sf:
         return sf.get_tensor(name)
 
 

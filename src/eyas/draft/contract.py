@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas.draft.spec import ARCH, FROM_TARGET, LINEARS, NORMS, canonical, load_draft_config
+from eyas.io import open_safetensors
 from eyas.manifest import tokenizer_hash
 from eyas.target import default_layer_ids, target_embed, text_config_dict
 
@@ -110,10 +111,8 @@ def random_draft(
 
 
 def _tensor_info(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
-    from safetensors import safe_open
-
     info = {}
-    with safe_open(str(path), framework="pt") as sf:
+    with open_safetensors(path, "export the draft again") as sf:
         for name in sf.keys():
             sl = sf.get_slice(name)
             info[name] = (tuple(sl.get_shape()), sl.get_dtype())
@@ -243,13 +242,11 @@ def _check_tensors(info: dict[str, tuple[tuple[int, ...], str]], dims: dict[str,
 def _check_vocab_map(wfile: Path, info: dict[str, tuple[tuple[int, ...], str]], Vd: int, V: int) -> None:
     """d2t [Vd] int64 offsets onto strictly increasing target ids in [0, V); t2d [V] bool marks exactly them."""
     import torch
-    from safetensors import safe_open
-
     if info["d2t"][1] != "I64":
         raise ValueError(f"{wfile}: d2t must be int64 offsets, got {info['d2t'][1]}")
     if info["t2d"][1] != "BOOL":
         raise ValueError(f"{wfile}: t2d must be bool, got {info['t2d'][1]}")
-    with safe_open(str(wfile), framework="pt") as sf:
+    with open_safetensors(wfile, "export the draft again") as sf:
         names = {canonical(n): n for n in sf.keys()}
         d2t, t2d = sf.get_tensor(names["d2t"]), sf.get_tensor(names["t2d"])
     targets = torch.arange(Vd) + d2t  # d2t is an offset: target id = i + d2t[i]

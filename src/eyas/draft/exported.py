@@ -11,18 +11,17 @@ import torch
 from eyas.draft.contract import validate_draft
 from eyas.draft.model import Eagle3Draft
 from eyas.draft.spec import DraftSpec, canonical, load_draft_config
+from eyas.io import load_safetensors
 from eyas.target import load_head
 
 
 def load_exported(draft_dir: str | os.PathLike, target_dir: str | os.PathLike) -> Eagle3Draft:
     """An exported draft dir as the module vLLM runs: its weights (embed_tokens from the target
     when the export dropped it; no d2t when the draft vocab is the target's)."""
-    from safetensors.torch import load_file
-
     cfg, _ = load_draft_config(Path(draft_dir))
     spec = DraftSpec.from_draft_config(cfg)
     model = Eagle3Draft(spec)
-    state = {canonical(n): t for n, t in load_file(str(Path(draft_dir) / "model.safetensors")).items()}
+    state = {canonical(n): t for n, t in load_safetensors(Path(draft_dir) / "model.safetensors", "export the draft again").items()}
     if "embed_tokens.weight" not in state:
         state["embed_tokens.weight"] = load_head(target_dir)[0]
     if "d2t" not in state:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from eyas.io import atomic_path
+from eyas.io import atomic_path, open_safetensors
 
 VERSION = 1
 
@@ -69,9 +69,7 @@ class DraftVocab:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> DraftVocab:
-        from safetensors import safe_open
-
-        with safe_open(str(path), framework="pt") as f:
+        with open_safetensors(path, "delete it: the draft vocab is recomputed") as f:
             d = json.loads(f.metadata()["info"])
             ids = f.get_tensor("draft_ids")
         v = cls(ids, d["vocab_size"], d["coverage"], d["num_tokens"], d["num_seen"], d["key"])

@@ -118,12 +118,18 @@ class StreamConsumer:
         self.sock.setsockopt(zmq.RCVHWM, 4 * window * num_producers + 16)  # credits bound it well below
         _heartbeats(self.sock)
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED)
-        if address.endswith(":0"):
-            port = self.sock.bind_to_random_port(address.rsplit(":", 1)[0])
-            self.address = f"{address.rsplit(':', 1)[0]}:{port}"
-        else:
-            self.sock.bind(address)
-            self.address = address
+        try:
+            if address.endswith(":0"):
+                port = self.sock.bind_to_random_port(address.rsplit(":", 1)[0])
+                self.address = f"{address.rsplit(':', 1)[0]}:{port}"
+            else:
+                self.sock.bind(address)
+                self.address = address
+        except zmq.ZMQError as e:
+            self.monitor.close(linger=0)
+            self.sock.close(linger=0)
+            raise ValueError(f"streaming consumer: cannot bind {address} ({e}): another process holds the port, or "
+                             "the host is not this machine's; choose another port (train.features=tcp://HOST:PORT)") from None
         self.producers: dict[bytes, dict[str, Any]] = {}
         self.ended: dict[bytes, dict[str, Any]] = {}
         self.queue: collections.deque[tuple[bytes, dict[str, Any]]] = collections.deque()

@@ -21,11 +21,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eyas.config import QuantizeConfig, RunConfig, check_choices
-from eyas.io import atomic_path
+from eyas.io import atomic_path, open_safetensors
 from eyas.manifest import tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.quant import mxfp4
@@ -151,7 +150,7 @@ def quantize_model(cfg: QuantizeConfig, log=print) -> dict[str, Any]:
     routers: list[str] = []
     weight_map: dict[str, str] = {}
     for shard in _shards(src):
-        with safe_open(src / shard, framework="pt") as f:
+        with open_safetensors(src / shard, "fetch or convert the model again") as f:
             shapes = {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}
             kinds = {n: classify(n, shape, exclude) for n, shape in shapes.items()}
             for name, kind in kinds.items():

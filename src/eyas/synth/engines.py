@@ -60,9 +60,14 @@ class InProcessEngine:
         apply_vllm_env()
         dtype = dtype or engine_dtype()
         # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
-        self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
-                       kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,
-                       max_num_seqs=max_num_seqs, disable_log_stats=True)
+        try:
+            self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
+                           kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,
+                           max_num_seqs=max_num_seqs, disable_log_stats=True)
+        except Exception as e:  # noqa: BLE001 - vLLM refuses this model or machine (its log above says why)
+            last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+            raise ValueError(f"vLLM could not start the target {model}: {last[0][:500]} (vLLM's log above has the "
+                             "details; check the model is one vLLM supports on this machine)") from None
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
 
     def generate(self, reqs: list[Request], sampling: Sampling, on_done: OnDone | None = None) -> list[Completion]:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import json
 import os
 
-from eyas.train.loop import train
+from eyas.train.loop import resolve_lengths, resume_point, train
 
-__all__ = ["print_summary", "train"]
+__all__ = ["print_summary", "resolve_lengths", "resume_point", "train"]
 
 
 def print_summary(summary: dict) -> None:

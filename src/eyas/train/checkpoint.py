@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from eyas.checkpoints import WEIGHTS, check_dcp, checkpoints_dir, mark_latest, sign_dcp, step_name
-from eyas.io import plain_mode
+from eyas.io import open_safetensors, plain_mode, read_json
 
 
 def _save_rng_state(path: Path) -> None:
@@ -48,9 +48,7 @@ def _load_rng_state(path: Path) -> None:
     import random
 
     import numpy as np
-    from safetensors import safe_open
-
-    with safe_open(str(path), "pt") as f:
+    with open_safetensors(path, "resume from an earlier checkpoint") as f:
         meta = json.loads(f.metadata()["state"])
         torch.set_rng_state(f.get_tensor("torch"))
         name, pos, has_gauss, gauss = meta["numpy"]
@@ -124,7 +122,7 @@ def load_checkpoint(
     state = {"model": msd, "optim": osd}
     dcp.load(state, checkpoint_id=str(ckpt_dir / "dcp"))
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    trainer = json.loads((ckpt_dir / "trainer.json").read_text())
+    trainer = read_json(ckpt_dir / "trainer.json", "the checkpoint's state")
     rng = ckpt_dir / "rng" / f"rank_{rank}.safetensors"
     if rng.exists() and trainer.get("world_size") is not None:
         _load_rng_state(rng)

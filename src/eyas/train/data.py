@@ -32,7 +32,7 @@ import torch
 from eyas.config import TrainConfig, choices
 from eyas.draft.ttt import Batch
 from eyas.features import open_features
-from eyas.io import iter_jsonl
+from eyas.io import iter_jsonl, open_safetensors
 from eyas.packing import pack_by_length, plan_epoch
 
 # ---------------------------------------------------------------------------------------------
@@ -102,11 +102,9 @@ class OfflineSource:
 
     def ids_masks(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(input_ids, loss_mask) per sample, truncated like training, without the states."""
-        from safetensors import safe_open
-
         used, i = set(self.index), 0
         for shard in self.ds.manifest["shards"]:
-            with safe_open(str(self.path / shard["file"]), framework="pt") as f:
+            with open_safetensors(self.path / shard["file"], f"`eyas extract verify {self.path}`") as f:
                 off = f.get_tensor("offsets").tolist()
                 ids, mask = f.get_tensor("input_ids"), f.get_tensor("loss_mask")
             for a, b in zip(off[:-1], off[1:]):

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from eyas.acceptance import summarize as summarize_acceptance
-from eyas.checkpoints import latest_checkpoint
+from eyas.checkpoints import checkpoint_step, latest_checkpoint
 from eyas.config import TrainConfig, check_bounds, check_choices
 from eyas.draft.exported import load_warm_start
 from eyas.draft.model import Eagle3Draft
@@ -30,9 +30,9 @@ from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab, vocab_coverage
-from eyas.manifest import read_manifest, write_manifest
+from eyas.manifest import read_manifest, sha256_file, sha256_text, write_manifest
 from eyas.models import eyas_home, resolve_target
-from eyas.stage import inherited, output_dir
+from eyas.stage import ChangedOutput, inherited, output_dir
 from eyas.target import load_head, target_final_norm, target_layer, text_config
 from eyas.train import parallel as P
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
@@ -133,6 +133,9 @@ def on_main(fn, d: P.Dist):
 # (checkpoint dir, step, the trainer's estimates: est_al, and sim_al / sim_per_pos with train.holdout) -> a record
 # to log (or None). Runs on rank 0 while the other ranks wait; `eyas train` builds it from the recipe's eval
 # section (eyas.serve_eval).
+# (checkpoint dir, step, estimates) -> a record. A callback may also have `measured(step) -> bool`: a
+# resumed run then re-measures the checkpoint it resumes from when that one was due and never measured
+# (the run was killed during its evaluation).
 CheckpointCallback = Callable[[Path, int, "dict[str, Any]"], "dict[str, Any] | None"]
 
 
@@ -258,6 +261,17 @@ def settings_changed(prev: dict[str, Any], cfg: TrainConfig) -> list[str]:
     return out
 
 
+def data_identity(cfg: TrainConfig) -> str:
+    """What the run trains on, as a hash: the features' shard checksums (offline), the conversations
+    file (online); "" for a stream (its producers check their own inputs)."""
+    if cfg.source == "offline":
+        man = read_manifest(cfg.features) or {}
+        return sha256_text(json.dumps([man.get("data_sha256"), [s.get("sha256") for s in man.get("shards", [])]]))
+    if cfg.source == "online" and Path(cfg.features).is_file():
+        return sha256_file(cfg.features)
+    return ""
+
+
 def check_provenance(features: dict[str, Any], where: str, target_dir: str) -> None:
     """Offline features must come from this target: same tokenizer files, same weights (by
     `target_fingerprint`, when the features recorded one). Hidden states of another model with the
@@ -274,6 +288,24 @@ def check_provenance(features: dict[str, Any], where: str, target_dir: str) -> N
                          "extract features from this target (or train for theirs)")
 
 
+def resume_point(cfg: TrainConfig, data_id: str | None = None) -> tuple[Path | None, int]:
+    """The checkpoint a run in `cfg.out` continues from and its step ((None, 0): a new run). A run dir
+    trained with other settings or data is a ChangedOutput; a damaged latest checkpoint names itself."""
+    run_dir = Path(cfg.out)
+    ckpt = latest_checkpoint(run_dir)
+    if ckpt is None:
+        return None, 0
+    prev = read_manifest(run_dir) or {}
+    changed = settings_changed(prev.get("config") or {}, cfg)
+    data_id = data_identity(cfg) if data_id is None else data_id
+    if prev.get("data_id") and data_id and prev["data_id"] != data_id:
+        changed.append(f"the data in {cfg.features} (other features or conversations at the same path)")
+    if changed:
+        raise ChangedOutput(f"{run_dir} was trained with other settings ({'; '.join(changed)}): a resume continues "
+                            "the same run; set them back, or choose another --out", run_dir)
+    return ckpt, checkpoint_step(ckpt)
+
+
 class Trainer:
     """One run as verbs on its components: built in __init__ (resumed when the run dir holds a
     checkpoint), then `step` per optimizer step, `save` per checkpoint, `fit` for the loop."""
@@ -283,18 +315,16 @@ class Trainer:
         self.run_dir = Path(cfg.out)
         self.precision = P.resolve_precision(cfg.precision, d.device)
         self.done: dict[str, Any] | None = None  # set when the run dir already holds max_steps
-        self.ckpt = latest_checkpoint(self.run_dir)
+        self.unmeasured = False  # the checkpoint resumed from was due for the callback and has no record
+        self.data_id = data_identity(cfg)
+        self.ckpt, step = resume_point(cfg, self.data_id)
         if self.ckpt is not None:
-            changed = settings_changed((read_manifest(self.run_dir) or {}).get("config") or {}, cfg)
-            if changed:
-                raise ValueError(f"{self.run_dir} was trained with other settings ({'; '.join(changed)}): a resume "
-                                 "continues the same run; set them back, or choose another --out")
-            step = json.loads((self.ckpt / "trainer.json").read_text())["step"]
-            if step >= cfg.max_steps:
+            self.unmeasured = self._unmeasured(step)
+            if step >= cfg.max_steps and not self.unmeasured:
                 _log(f"{self.run_dir} already holds {self.ckpt.name} (>= max_steps {cfg.max_steps}); nothing to do", d)
                 self.done = {"step": step, "checkpoint": str(self.ckpt), "skipped": True}
                 return
-            if not cfg.resume:
+            if step < cfg.max_steps and not cfg.resume:
                 raise ValueError(f"{self.run_dir} holds checkpoints up to {self.ckpt.name}: pass --resume to continue "
                                  "it, or choose another --out")
         self.target_dir = on_main(lambda: str(resolve_target(cfg.target).resolve()), d)
@@ -337,6 +367,12 @@ class Trainer:
         self.micro_seen = 0  # micro-batches this run: every score_every-th is scored, and each log window's first
         self.tokens_run = 0
 
+    def _unmeasured(self, step: int) -> bool:
+        """The checkpoint at `step` was due for the callback and the callback has no record of it."""
+        measured = getattr(self.on_checkpoint, "measured", None)
+        due = step >= self.cfg.max_steps or (self.cfg.eval_every > 0 and step % self.cfg.eval_every == 0)
+        return bool(measured is not None and due and not measured(step))
+
     def _resume(self) -> int:
         cfg, d, ckpt, dr = self.cfg, self.d, self.ckpt, self.draft
         st = load_checkpoint(ckpt, dr.model, dr.opt, d.rank, trust=cfg.trust_checkpoint)
@@ -358,7 +394,7 @@ class Trainer:
             write_manifest(self.run_dir, "train", self.cfg, complete=complete, target=self.target_dir,
                            world_size=self.d.world, precision=self.precision, device=str(self.d.device),
                            draft_config=self.draft_cfg, draft_vocab=self.vocab.info(), source=self.src.describe(),
-                           start_step=self.start, **extra)
+                           start_step=self.start, data_id=self.data_id, **extra)
 
     # ---- verbs
     def step(self, step: int) -> torch.Tensor | None:
@@ -456,6 +492,9 @@ class Trainer:
 
             bar = tqdm(total=cfg.max_steps, initial=self.start, unit="step", dynamic_ncols=True, file=sys.stderr)
         done = self.start
+        if self.unmeasured:
+            _log(f"{self.ckpt.name} was due for evaluation and has no record (interrupted?): evaluating it now", d)
+            self._evaluate(self.ckpt, self.start, {"est_al": self.logger.last("est_al"), **self.simulate(self.start)})
         t_run = time.perf_counter()
         self.lr = self.draft.sched(self.start)
         for step in range(self.start + 1, cfg.max_steps + 1):

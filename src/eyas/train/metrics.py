@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from eyas.io import scan_jsonl, write_jsonl
+
 
 def _div(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     return [float(x) / float(y) if float(y) > 0 else 0.0 for x, y in zip(a.tolist(), b.tolist())]
@@ -61,15 +63,20 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists():  # drop records past the step we resume from (logged after that checkpoint)
-            keep = [ln for ln in self.path.read_text().splitlines()
-                    if ln.strip() and json.loads(ln).get("step", 0) <= resume_step]
-            self.path.write_text("".join(ln + "\n" for ln in keep))
+            keep = [r for r in scan_jsonl(self.path, "eyas train") if r.get("step", 0) <= resume_step]
+            write_jsonl(self.path, keep)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"), purge_step=resume_step + 1 if resume_step else None)
         except Exception as e:  # tensorboard missing or broken: the JSONL still has everything
             print(f"eyas train: TensorBoard disabled ({e})", file=sys.stderr)
+
+    def last(self, key: str) -> Any:
+        """The last value of `key` logged so far (None when never)."""
+        if not self.enabled:
+            return None
+        return next((r[key] for r in reversed(scan_jsonl(self.path, "eyas train")) if key in r), None)
 
     def log(self, rec: dict[str, Any], echo: bool = True) -> None:
         if not self.enabled:

@@ -1,0 +1,112 @@
+"""Bad input through the CLI, as a user meets it: each case exits 2 with one line that names the
+file (or field) and what to do, writes nothing where it should not, and shows no traceback. A
+failure that is not the user's (an eyas bug) exits 1 with its traceback, said to be a bug."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+
+import pytest
+
+from eyas.cli import main
+
+
+def _fails(capsys, argv: list[str], *needles: str) -> str:
+    rc = main(argv)
+    err = capsys.readouterr().err
+    assert rc == 2, (rc, err[-2000:])
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(f"eyas {argv[0]}: error: "), err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    for n in needles:
+        assert n in line, (n, line)
+    return line
+
+
+def _prompts(path, rows) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_missing_and_non_utf8_inputs(tmp_path, capsys, tiny_llama):
+    missing = tmp_path / "nope.jsonl"
+    _fails(capsys, ["synth", "--target", str(tiny_llama), "--prompts", str(missing), "--out", str(tmp_path / "s")],
+           str(missing), "No such file")
+    _fails(capsys, ["eval", "--target", str(tiny_llama), "--draft", "ngram", "--prompts", str(missing)], str(missing))
+    assert not (tmp_path / "s").exists()
+
+    latin = tmp_path / "latin1.jsonl"
+    latin.write_bytes(b'{"id": "a", "messages": [{"role": "user", "content": "ok"}]}\n'
+                      b'{"id": "b", "messages": [{"role": "user", "content": "caf\xe9"}]}\n')
+    _fails(capsys, ["eval", "--target", str(tiny_llama), "--draft", "ngram", "--prompts", str(latin)],
+           f"{latin}:2", "utf-8")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_bytes(b"run:\n  out: caf\xe9\n")
+    _fails(capsys, ["config", "--recipe", str(recipe)], f"{recipe}:2", "not UTF-8")
+
+
+def test_unwritable_out_and_out_of_range_numbers(tmp_path, capsys, tiny_llama):
+    conv = _prompts(tmp_path / "conv.jsonl", [{"id": "a", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}])
+    blocker = tmp_path / "file"
+    blocker.write_text("mine")
+    out = blocker / "feats"  # a file where a directory must go: not writable for root either
+    _fails(capsys, ["extract", "--target", str(tiny_llama), "--data", conv, "--out", str(out)], str(blocker))
+    assert blocker.read_text() == "mine"
+    _fails(capsys, ["train", "--target", str(tiny_llama), "--features", str(tmp_path), "--out", str(tmp_path / "t"),
+                    "--threads", "-1"], "train.threads", ">= 0")
+
+
+def test_damaged_target_and_draft_files_are_named(tmp_path, capsys, tiny_llama):
+    conv = _prompts(tmp_path / "conv.jsonl", [{"id": "a", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello there"}]}])
+    target = tmp_path / "target"
+    shutil.copytree(tiny_llama, target)
+    w = target / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])  # a download cut off half way
+    _fails(capsys, ["extract", "--target", str(target), "--data", conv, "--out", str(tmp_path / "f"),
+                    "--compute-dtype", "fp32"], str(w), "not a readable safetensors file")
+
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{'architectures': ['Eagle3")  # not JSON
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
+    _fails(capsys, ["eval", "--target", str(tiny_llama), "--draft", str(draft), "--prompts", prompts],
+           str(draft / "config.json"), "not valid JSON")
+
+
+def test_busy_streaming_port_is_named(tmp_path, capsys, tiny_llama):
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.ROUTER)
+    port = s.bind_to_random_port("tcp://127.0.0.1")
+    try:
+        _fails(capsys, ["train", "--target", str(tiny_llama), "--source", "streaming",
+                        "--features", f"tcp://127.0.0.1:{port}?producers=1", "--out", str(tmp_path / "t"),
+                        "--max-steps", "1", "--no-progress"], f"127.0.0.1:{port}", "choose another port")
+    finally:
+        s.close(linger=0)
+        ctx.term()
+    with socket.socket() as busy:  # the OSError path: one line with the errno's fix
+        busy.bind(("127.0.0.1", 0))
+        from eyas.cli import os_error_line
+
+        try:
+            socket.socket().bind(busy.getsockname())
+        except OSError as e:
+            assert "the port is in use" in os_error_line(e)
+
+
+def test_an_eyas_bug_is_a_traceback_said_to_be_one(capsys, monkeypatch):
+    import eyas.data
+
+    def broken(*a, **k):
+        return {}["no such key"]
+
+    monkeypatch.setattr(eyas.data, "cli", broken)
+    assert main(["data", "stats", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "KeyError" in err and "this is a bug in eyas" in err
