@@ -8,8 +8,6 @@ import json
 import shutil
 import socket
 
-import pytest
-
 from eyas.cli import main
 
 

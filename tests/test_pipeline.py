@@ -86,8 +86,10 @@ def test_run_resumes_after_kill9_and_reruns_what_a_recipe_change_touches(vllm_ta
                "the step-4 serve-eval")
     assert not any(r["step"] == 4 for r in scan_jsonl(out / "train/serve_eval.jsonl")), "the kill landed too late"
     # 3) the same command again: finishes
-    text = _finish(recipe, log)
+    n = log.read_text().count("=== eyas run: target ===")
+    text = _finish(recipe, log).split("=== eyas run: target ===")[n + 1]
     assert "step_4 was due for evaluation and has no record" in text
+    assert "resumed from" in text and "step_4" in text
 
     se = scan_jsonl(out / "train/serve_eval.jsonl")
     assert [r["step"] for r in se] == [4, 8] and all(r["true_al"] >= 1.0 for r in se)
@@ -105,14 +107,18 @@ def test_run_resumes_after_kill9_and_reruns_what_a_recipe_change_touches(vllm_ta
     b = load_file(ref / "checkpoints/step_8/draft.safetensors")
     assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
-    # a finished run re-run: every stage has nothing to do, the measurements are taken again
-    text = _finish(recipe, log)
-    assert text.count("nothing to do") >= 4 and "moved to" not in text
+    # a finished run re-run: every stage has nothing to do, the eval is read back, not measured again
+    n = log.read_text().count("=== eyas run: target ===")
+    text = _finish(recipe, log).split("=== eyas run: target ===")[n + 1]
+    assert text.count("nothing to do") >= 4 and "moved to" not in text, text[-3000:]
+    assert "eval.json holds this measurement already" in text and "eyas eval: " not in text
 
     # a changed synthesis: synth, features and train are set aside (not deleted) and made again
     exported = json.loads((out / "draft/manifest.json").read_text())["key"]["checkpoint_sha256"]
     recipe.write_text(yaml.safe_dump(_recipe(vllm_target, out, max_tokens=10)))
-    text = _finish(recipe, log)
+    n = log.read_text().count("=== eyas run: target ===")
+    text = _finish(recipe, log).split("=== eyas run: target ===")[n + 1]
+    assert text.count("moved to") == 3 and "eval.json holds" not in text, text[-3000:]
     aside = sorted(p.relative_to(out).parts[2] for p in (out / "superseded").glob("*/*"))
     assert aside == ["features", "synth", "train"], aside
     assert (next((out / "superseded").glob("*/train")) / "checkpoints/step_8/draft.safetensors").exists()

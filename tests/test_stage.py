@@ -107,3 +107,29 @@ def test_lengths_travel_with_the_artifacts(tmp_path):
     assert train_lengths(TrainConfig(features=str(feats))).max_len == 300
     assert train_lengths(TrainConfig(features=str(conv), source="online")).max_len == 300
     assert train_lengths(TrainConfig(features="tcp://x:1", source="streaming")).max_len == 2048
+
+
+def test_eyas_run_sets_a_changed_stage_aside(tmp_path):
+    """Inside its run dir, `eyas run` moves a stage's output made with other settings to
+    RUN/superseded/<time>/ (nothing deleted) and runs the stage again; outside it, the refusal stands."""
+    from eyas.pipeline import again_if_changed
+    from eyas.stage import ChangedOutput
+
+    run = (tmp_path / "run").resolve()
+    write_manifest(run / "synth", "synth", None, key={"max_tokens": 12}, complete=True)
+    (run / "synth" / "conversations.jsonl").write_text("old\n")
+    calls = []
+
+    def synth():
+        calls.append(1)
+        return claim(run / "synth", "synth", {"max_tokens": 10})
+
+    assert again_if_changed(run, synth).manifest is None and len(calls) == 2
+    moved = list((run / "superseded").glob("*/synth/conversations.jsonl"))
+    assert [p.read_text() for p in moved] == ["old\n"]
+
+    other = tmp_path / "elsewhere"
+    write_manifest(other, "synth", None, key={"max_tokens": 12}, complete=True)
+    with pytest.raises(ChangedOutput, match="differs in: max_tokens"):
+        again_if_changed(run, lambda: claim(other, "synth", {"max_tokens": 10}))
+    assert (other / "manifest.json").exists()

@@ -6,7 +6,9 @@ A stage that finds its complete output skips itself and a partial one resumes (t
 last checkpoint, re-measuring a serve-eval that was cut off), so a killed run re-run with the same
 command picks up where it stopped. A stage whose output was made with other settings or inputs
 (a changed recipe) is set aside under `RUNDIR/superseded/` and run again; the stages after it
-see changed inputs and follow, so the parts of a run dir always agree. The run ends with `report.json`, `report.md`, plots and
+see changed inputs and follow, so the parts of a run dir always agree. The measurements (eval,
+n-gram eval, throughput) are keyed by the served target, the draft's weights, the prompts and their
+settings, and read back when nothing they depend on changed. The run ends with `report.json`, `report.md`, plots and
 the exact `vllm serve` command for the exported draft.
 """
 
@@ -28,10 +30,12 @@ from eyas.data import build_mix
 from eyas.evaluate import evaluate
 from eyas.export import export_run, serve_command
 from eyas.host import machine
-from eyas.manifest import write_manifest
+from eyas.io import atomic_write_text
+from eyas.manifest import read_manifest, sha256_file, write_manifest
 from eyas.models import resolve_target
 from eyas.report import write_report
 from eyas.stage import ChangedOutput, claim, output_dir, set_aside
+from eyas.target import target_fingerprint
 
 
 @contextlib.contextmanager
@@ -55,6 +59,29 @@ def again_if_changed(out: Path, call):
         print(f"eyas run: {e}\neyas run: the recipe changed it: moved to {set_aside(e.dir.resolve(), out)}; "
               "running the stage again", flush=True)
         return call()
+
+
+def _weights_id(draft: Path) -> str:
+    return str((read_manifest(draft) or {}).get("weights_sha256") or sha256_file(draft / "model.safetensors"))
+
+
+def _once(path: Path, key: dict[str, Any], measure, pick: str = "") -> Any:
+    """A measurement `eyas run` takes once per `key`: read back from `path` when the file holds this key
+    (a re-run after a kill, or of a finished run), else taken (`measure()` writes `path`) and keyed."""
+    if path.exists():
+        try:
+            old = json.loads(path.read_text())
+        except ValueError:
+            old = {}
+        if isinstance(old, dict) and old.get("key") == key:
+            print(f"eyas run: {path.name} holds this measurement already (same target, draft, prompts, "
+                  "settings); read back", flush=True)
+            old.pop("key")
+            return old[pick] if pick else old
+    got = measure()
+    data = json.loads(path.read_text())
+    atomic_write_text(path, json.dumps({**data, "key": key}, indent=2) + "\n")
+    return got
 
 
 def _train(cfg: Recipe, nproc: int) -> None:
@@ -128,12 +155,18 @@ def run(cfg: Recipe) -> dict[str, Any]:
         x.run, x.out, x.target = str(out / "train"), str(out / "draft"), str(serve_target)
         draft = Path(export_run(x, cfg.eval.k))
 
+    # what a measurement depends on: the served target, the draft's weights, the prompts
+    measured = {"target": target_fingerprint(serve_target), "draft": _weights_id(draft),
+                "prompts": sha256_file(eval_prompts)}
+
     with _stage(timings, "eval"):
         v = cfg.eval
         v.draft, v.out = str(draft), str(out / "eval.json")
-        report["eval"] = evaluate(v)
+        report["eval"] = _once(out / "eval.json", {**measured, "eval": to_dict(v)}, lambda: evaluate(v))
         if v.ngram:  # prompt lookup on the same prompts: tokens per target step, side by side in the report
-            report["eval_ngram"] = evaluate(dataclasses.replace(v, draft="ngram", out=str(out / "eval_ngram.json")))
+            vn = dataclasses.replace(v, draft="ngram", out=str(out / "eval_ngram.json"))
+            report["eval_ngram"] = _once(out / "eval_ngram.json", {**measured, "draft": "ngram", "eval": to_dict(vn)},
+                                         lambda: evaluate(vn))
 
     with _stage(timings, "bench"):
         from eyas.bench.acceptance import domain_prompts
@@ -144,8 +177,10 @@ def run(cfg: Recipe) -> dict[str, Any]:
             print("eyas run: bench.concurrency is empty: no throughput bench", flush=True)
         else:
             prompts = [r["messages"] for r in domain_prompts(eval_prompts, b.limit)]
-            report["throughput"] = bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens,
-                                                    cfg.eval.k, out=out / "throughput.json")
+            report["throughput"] = _once(
+                out / "throughput.json", {**measured, "bench": to_dict(b), "k": cfg.eval.k},
+                lambda: bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens, cfg.eval.k,
+                                         out=out / "throughput.json"), pick="rows")
 
     from eyas.serve_eval import read_records
 

@@ -17,7 +17,8 @@ its content). Anything else is refused with a message naming what is there:
 
 Training resumes by checkpoint instead (`eyas.checkpoints`: a run dir holds its steps) and
 refuses a run dir trained with other settings or data the same way. Eval and bench are
-measurements: they run every time and write their reports atomically.
+measurements: run alone they measure every time and write their reports atomically; `eyas run`
+reads its own back when nothing they depend on changed (`eyas.pipeline`).
 
 A refusal for other settings is a `ChangedOutput` naming the dir: `eyas run`, which owns its
 stages' dirs, sets such a dir aside (`set_aside`: moved, never deleted) and runs the stage
