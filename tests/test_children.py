@@ -16,9 +16,11 @@ PARENT = """
 import subprocess, sys, time
 from eyas.children import start_watchdog
 start_watchdog(poll_s=0.2)
+from eyas.children import scratch_dir
+scratch = scratch_dir("test")
 code = "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(g.pid, flush=True); time.sleep(600)"
 c = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
-print(c.pid, c.stdout.readline().strip(), flush=True)
+print(c.pid, c.stdout.readline().strip(), scratch, flush=True)
 time.sleep(600)
 """
 
@@ -31,17 +33,20 @@ def _alive(pid: int) -> bool:
 
 
 def test_descendants_die_with_a_killed_parent():
+    """...and its scratch dir (a vLLM runner's spec and result) goes with them."""
     env = {k: v for k, v in os.environ.items() if k != "EYAS_NO_WATCHDOG"}
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)
-    child, grandchild = (int(x) for x in parent.stdout.readline().split())
+    child, grandchild, scratch = parent.stdout.readline().split()
+    child, grandchild = int(child), int(grandchild)
     time.sleep(1.0)  # the watchdog has seen both
-    assert _alive(child) and _alive(grandchild)
+    assert _alive(child) and _alive(grandchild) and os.path.isdir(scratch)
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and (_alive(child) or _alive(grandchild)):
+    while time.monotonic() < deadline and (_alive(child) or _alive(grandchild) or os.path.isdir(scratch)):
         time.sleep(0.2)
     assert not _alive(child) and not _alive(grandchild)
+    assert not os.path.exists(scratch), "the killed command's scratch dir is left behind"
 
 
 def test_watch_kills_nothing_while_the_parent_lives_and_nothing_foreign():

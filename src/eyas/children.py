@@ -7,14 +7,21 @@ are orphaned and keep their memory and cores. So each eyas command starts one wa
 (`start_watchdog`, in its own session): it notes eyas's descendants every `poll_s`
 seconds and, once eyas is gone, kills the ones still running (psutil checks each one's
 start time, so a reused pid is never hit). It costs a sleeping process.
+
+Temp dirs that engines share with eyas (a runner's spec and result, the hidden states the
+vLLM backend hands over) come from `scratch_dir`: named after the eyas process, removed on a
+normal exit by their owner and, after a kill, by the watchdog once the processes are down.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 _started: set[int] = set()  # pids that have a watchdog (one per process)
 
@@ -27,6 +34,24 @@ def start_watchdog(poll_s: float = 1.0) -> subprocess.Popen | None:
     return subprocess.Popen([sys.executable, "-m", "eyas.children", str(os.getpid()), str(poll_s)],
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True, close_fds=True)
+
+
+def scratch_dir(what: str, base: str | None = None) -> str:
+    """A new temp dir `eyas<PID>-<what>-*` (in `base`, default the system's temp dir) that the watchdog
+    of this process removes if the process is killed; its owner removes it otherwise."""
+    return tempfile.mkdtemp(prefix=f"eyas{os.getpid()}-{what}-", dir=base)
+
+
+def _scratch_bases() -> set[str]:
+    return {tempfile.gettempdir()} | ({"/dev/shm"} if os.path.isdir("/dev/shm") else set())
+
+
+def remove_scratch(pid: int) -> list[str]:
+    """Remove the scratch dirs of the (gone) process `pid`; returns them."""
+    gone = [d for b in _scratch_bases() for d in Path(b).glob(f"eyas{pid}-*") if d.is_dir()]
+    for d in gone:
+        shutil.rmtree(d, ignore_errors=True)
+    return [str(d) for d in gone]
 
 
 def watch(pid: int, poll_s: float = 1.0) -> int:
@@ -55,6 +80,8 @@ def watch(pid: int, poll_s: float = 1.0) -> int:
             c.kill()
         except psutil.NoSuchProcess:
             pass
+    psutil.wait_procs(left, timeout=5)  # nothing writes into the scratch dirs once they are down
+    remove_scratch(pid)
     return len(left)
 
 
