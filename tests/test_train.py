@@ -350,7 +350,7 @@ def test_a_crafted_checkpoint_runs_nothing(tiny_data, tmp_path):
 
     w = ckpt / "draft.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
-    with pytest.raises(ValueError, match=r"draft.safetensors: unreadable"):
+    with pytest.raises(ValueError, match=r"draft.safetensors: not a readable safetensors file"):
         load_draft_state(ckpt)
     w.unlink()
     with pytest.raises(ValueError, match=r"no draft.safetensors .*--resume"):
@@ -480,6 +480,11 @@ def test_damaged_checkpoint_and_torn_log_are_named(tiny_data, tmp_path):
         _trained(tiny_data, run, max_steps=4, resume=True, save_every=1)
     shutil.move(str(run / "checkpoints" / "step_3"), str(tmp_path / "step_3.damaged"))
     assert _trained(tiny_data, run, max_steps=4, resume=True, save_every=1)
+    shard = max((run / "checkpoints" / "step_4" / "dcp").glob("*.distcp"), key=lambda f: f.stat().st_size)
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])  # a disk that filled up
+    with pytest.raises(ValueError, match=r"step_4: not loading its DCP state: its files differ .*damaged.*previous "
+                                         r"intact checkpoint, step_3"):
+        _trained(tiny_data, run, max_steps=5, resume=True, save_every=1)
 
 
 def _trained(data, run: Path, **kw) -> Path:

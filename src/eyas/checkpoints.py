@@ -66,12 +66,16 @@ def checkpoint_step(ckpt: Path) -> int:
     try:
         return int(read_json(ckpt / "trainer.json", "the checkpoint's state")["step"])
     except (ValueError, KeyError, TypeError) as e:
-        earlier = sorted((int(d.name[5:]), d) for d in ckpt.parent.glob("step_*")
-                         if d.name[5:].isdigit() and d != ckpt and is_complete(d))
-        intact = [d for n, d in earlier if n < _step_of(ckpt) and _readable(d / "trainer.json")]
-        hint = (f"move {ckpt} out of {ckpt.parent} to resume from the previous intact checkpoint, {intact[-1].name}"
-                if intact else "no earlier checkpoint is intact; choose another --out")
-        raise ValueError(f"checkpoint {ckpt} is damaged ({e}): {hint}") from None
+        raise ValueError(f"checkpoint {ckpt} is damaged ({e}): {previous_hint(ckpt)}") from None
+
+
+def previous_hint(ckpt: Path) -> str:
+    """What to do about a damaged checkpoint: move it aside to resume from the previous intact one."""
+    earlier = sorted((int(d.name[5:]), d) for d in ckpt.parent.glob("step_*")
+                     if d.name[5:].isdigit() and d != ckpt and is_complete(d))
+    intact = [d for n, d in earlier if n < _step_of(ckpt) and _readable(d / "trainer.json")]
+    return (f"move {ckpt} out of {ckpt.parent} to resume from the previous intact checkpoint, {intact[-1].name}"
+            if intact else "no earlier checkpoint is intact; choose another --out")
 
 
 def _step_of(ckpt: Path) -> int:
@@ -218,7 +222,11 @@ def check_dcp(ckpt_dir: str | os.PathLike, trust: bool = False) -> None:
     sig = Path(ckpt_dir) / SIGNATURE
     if sig.exists() and hmac.compare_digest(sig.read_text().strip(), dcp_digest(ckpt_dir)):
         return
-    why = "it was changed after eyas wrote it" if sig.exists() else f"it has no {SIGNATURE}"
-    raise ValueError(f"{ckpt_dir}: not loading its DCP state: {why}, or it was written by another user or machine, "
-                     "and reading DCP unpickles its files (which can run code). If you trust where it came from, "
-                     "pass train.trust_checkpoint=true")
+    if sig.exists():
+        raise ValueError(f"{ckpt_dir}: not loading its DCP state: its files differ from what eyas signed when it "
+                         f"wrote them (damaged or edited; reading DCP unpickles them, which can run code); "
+                         f"{previous_hint(Path(ckpt_dir))}, or if you know why they changed and trust them, pass "
+                         "train.trust_checkpoint=true")
+    raise ValueError(f"{ckpt_dir}: not loading its DCP state: it has no {SIGNATURE}, so eyas did not write it here "
+                     "(another user or machine), and reading DCP unpickles its files (which can run code). If you "
+                     "trust where it came from, pass train.trust_checkpoint=true")
