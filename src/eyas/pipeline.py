@@ -7,9 +7,11 @@ last checkpoint, re-measuring a serve-eval that was cut off), so a killed run re
 command picks up where it stopped. A stage whose output was made with other settings or inputs
 (a changed recipe) is set aside under `RUNDIR/superseded/` and run again; the stages after it
 see changed inputs and follow, so the parts of a run dir always agree. The measurements (eval,
-n-gram eval, throughput) are keyed by the served target, the draft's weights, the prompts and their
-settings, and read back when nothing they depend on changed. The run ends with `report.json`, `report.md`, plots and
-the exact `vllm serve` command for the exported draft.
+n-gram eval, throughput) are keyed by the served target, the draft's weights, the prompts and
+their settings, and read back when nothing they depend on changed.
+
+The run ends with `report.json`, `report.md`, plots and the exact `vllm serve` command for the
+exported draft.
 """
 
 from __future__ import annotations
