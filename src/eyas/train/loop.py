@@ -519,7 +519,8 @@ class Trainer:
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - t_run
-        summary = {"step": done, "checkpoint": str(self.last_ckpt), "last": self.last_rec, "elapsed_s": elapsed,
+        summary = {"step": done, "steps_run": done - self.start, "checkpoint": str(self.last_ckpt),
+                   "last": self.last_rec, "elapsed_s": elapsed,
                    "tokens": self.tokens_run, "tokens_per_s": self.tokens_run / max(elapsed, 1e-9)}
         self._manifest(complete=True, final=summary)
         return summary
