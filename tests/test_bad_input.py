@@ -108,3 +108,12 @@ def test_an_eyas_bug_is_a_traceback_said_to_be_one(capsys, monkeypatch):
     assert main(["data", "stats", "x"]) == 1
     err = capsys.readouterr().err
     assert "Traceback" in err and "KeyError" in err and "this is a bug in eyas" in err
+
+
+@pytest.mark.slow
+def test_vllm_refusing_a_target_is_one_line(tmp_path, capsys, tiny_llama):
+    """A target vLLM cannot run here (this tiny llama's head_dim 16 has no CPU attention kernel): synthesis
+    says so in one line naming the target, not as an eyas bug."""
+    prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
+    _fails(capsys, ["synth", "--target", str(tiny_llama), "--prompts", prompts, "--out", str(tmp_path / "s"),
+                    "--kv-cache-gib", "1"], "vLLM could not start the target", str(tiny_llama))

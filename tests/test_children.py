@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 
@@ -16,8 +19,9 @@ PARENT = """
 import subprocess, sys, time
 from eyas.children import start_watchdog
 start_watchdog(poll_s=0.2)
-from eyas.children import scratch_dir
-scratch = scratch_dir("test")
+import tempfile
+from eyas.children import scratch_prefix
+scratch = tempfile.mkdtemp(prefix=scratch_prefix("test"))
 code = "import subprocess, sys, time; g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); print(g.pid, flush=True); time.sleep(600)"
 c = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
 print(c.pid, c.stdout.readline().strip(), scratch, flush=True)
@@ -35,6 +39,8 @@ def _alive(pid: int) -> bool:
 def test_descendants_die_with_a_killed_parent():
     """...and its scratch dir (a vLLM runner's spec and result) goes with them."""
     env = {k: v for k, v in os.environ.items() if k != "EYAS_NO_WATCHDOG"}
+    mine = tempfile.mkdtemp(prefix="eyas-mine-")  # a user's dir beside the scratch dirs: never touched
+    (Path(mine) / "notes.txt").write_text("keep")
     parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True, env=env)
     child, grandchild, scratch = parent.stdout.readline().split()
     child, grandchild = int(child), int(grandchild)
@@ -47,6 +53,8 @@ def test_descendants_die_with_a_killed_parent():
         time.sleep(0.2)
     assert not _alive(child) and not _alive(grandchild)
     assert not os.path.exists(scratch), "the killed command's scratch dir is left behind"
+    assert (Path(mine) / "notes.txt").read_text() == "keep"
+    shutil.rmtree(mine)
 
 
 def test_watch_kills_nothing_while_the_parent_lives_and_nothing_foreign():

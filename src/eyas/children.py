@@ -9,7 +9,7 @@ seconds and, once eyas is gone, kills the ones still running (psutil checks each
 start time, so a reused pid is never hit). It costs a sleeping process.
 
 Temp dirs that engines share with eyas (a runner's spec and result, the hidden states the
-vLLM backend hands over) come from `scratch_dir`: named after the eyas process, removed on a
+vLLM backend hands over) are named with `scratch_prefix`: after the eyas process, removed on a
 normal exit by their owner and, after a kill, by the watchdog once the processes are down.
 """
 
@@ -36,10 +36,11 @@ def start_watchdog(poll_s: float = 1.0) -> subprocess.Popen | None:
                             start_new_session=True, close_fds=True)
 
 
-def scratch_dir(what: str, base: str | None = None) -> str:
-    """A new temp dir `eyas<PID>-<what>-*` (in `base`, default the system's temp dir) that the watchdog
-    of this process removes if the process is killed; its owner removes it otherwise."""
-    return tempfile.mkdtemp(prefix=f"eyas{os.getpid()}-{what}-", dir=base)
+def scratch_prefix(what: str) -> str:
+    """`eyas<PID>-<what>-`: a temp dir made with this prefix (`tempfile.mkdtemp` / `TemporaryDirectory`,
+    in the system's temp dir or /dev/shm) is removed by this process's watchdog if the process is
+    killed; its owner removes it otherwise."""
+    return f"eyas{os.getpid()}-{what}-"
 
 
 def _scratch_bases() -> set[str]:

@@ -63,10 +63,6 @@ def again_if_changed(out: Path, call):
         return call()
 
 
-def _weights_id(draft: Path) -> str:
-    return str((read_manifest(draft) or {}).get("weights_sha256") or sha256_file(draft / "model.safetensors"))
-
-
 def _once(path: Path, key: dict[str, Any], measure, pick: str = "") -> Any:
     """A measurement `eyas run` takes once per `key`: read back from `path` when the file holds this key
     (a re-run after a kill, or of a finished run), else taken (`measure()` writes `path`) and keyed."""
@@ -158,7 +154,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
         draft = Path(export_run(x, cfg.eval.k))
 
     # what a measurement depends on: the served target, the draft's weights, the prompts
-    measured = {"target": target_fingerprint(serve_target), "draft": _weights_id(draft),
+    measured = {"target": target_fingerprint(serve_target), "draft": read_manifest(draft)["weights_sha256"],
                 "prompts": sha256_file(eval_prompts)}
 
     with _stage(timings, "eval"):

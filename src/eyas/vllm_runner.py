@@ -19,14 +19,14 @@ import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from eyas.children import scratch_dir
+from eyas.children import scratch_prefix
 from eyas.host import engine_dtype, vllm_env
 from eyas.io import atomic_write_text
 
@@ -171,38 +171,31 @@ def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike
                        if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}), **(env or {})}
     if spec.get("kv_cache_gib"):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(float(spec["kv_cache_gib"]))))  # whole GiB
-    tmp = scratch_dir("vllm")  # the watchdog removes it if eyas is killed while the engine runs
-    try:
-        return _run_in(Path(tmp), spec, env, log_path, timeout)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _run_in(tmp: Path, spec: dict[str, Any], env: dict[str, str], log_path: Any, timeout: float) -> dict[str, Any]:
-    """Start the runner on `tmp`/spec.json and wait for `tmp`/result.json."""
-    sp, rp = Path(tmp) / "spec.json", Path(tmp) / "result.json"
-    sp.write_text(json.dumps(spec))
-    log = Path(log_path) if log_path else Path(tmp) / "vllm.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "w") as lf:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "eyas.vllm_runner", str(sp), str(rp)],
-            stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            rc = None
-    if rc != 0 or not rp.exists():
-        text = log.read_text(errors="replace")
-        why = "timed out" if rc is None else f"exited with {rc}"
-        raise RuntimeError(
-            f"vLLM runner {why} (target {spec.get('target')}, draft {spec.get('draft')}); log {log}\n"
-            f"errors:\n{root_causes(text)}\nlog tail:\n{text[-3000:]}"
-        )
-    return json.loads(rp.read_text())
+    # named after this process: its watchdog removes the dir if eyas is killed while the engine runs
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix("vllm")) as tmp:
+        sp, rp = Path(tmp) / "spec.json", Path(tmp) / "result.json"
+        sp.write_text(json.dumps(spec))
+        log = Path(log_path) if log_path else Path(tmp) / "vllm.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "w") as lf:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "eyas.vllm_runner", str(sp), str(rp)],
+                stdout=lf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            )
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+                rc = None
+        if rc != 0 or not rp.exists():
+            text = log.read_text(errors="replace")
+            why = "timed out" if rc is None else f"exited with {rc}"
+            raise RuntimeError(
+                f"vLLM runner {why} (target {spec.get('target')}, draft {spec.get('draft')}); log {log}\n"
+                f"errors:\n{root_causes(text)}\nlog tail:\n{text[-3000:]}"
+            )
+        return json.loads(rp.read_text())
 
 
 if __name__ == "__main__":

@@ -103,8 +103,8 @@ def run_row(cfg: Recipe, name: str, overrides: list[str], root: Path) -> dict[st
 def _train_seconds_per_step(summary: dict[str, Any], rec: dict[str, Any]) -> float | None:
     """The trainer's wall time per step it ran in this call, less the serve-eval it waited for; None
     when this call did not train (the row was already trained, or only re-measured)."""
-    steps = summary.get("steps_run", summary["step"])
-    if "elapsed_s" not in summary or summary.get("skipped") or not steps:
+    steps = summary.get("steps_run")  # absent when the trainer found the row finished
+    if not steps:
         return None
     return (summary["elapsed_s"] - rec["eval_seconds"] - rec["export_seconds"]) / steps
 

@@ -28,13 +28,14 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.children import scratch_dir
+from eyas.children import scratch_prefix
 from eyas.extract.base import Extractor
 from eyas.host import apply_vllm_env
 from eyas.target import read_tensor, text_config, weight_map
@@ -88,7 +89,7 @@ def load_final_norm(target: str | os.PathLike) -> torch.nn.Module:
 
 def _tmpfs_dir() -> str:
     base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
-    return scratch_dir("hs", base)  # removed by the watchdog if eyas is killed mid-extraction
+    return tempfile.mkdtemp(prefix=scratch_prefix("hs"), dir=base)  # the watchdog removes it after a kill
 
 
 def _load_when_ready(path: str, timeout: float) -> dict[str, torch.Tensor]:
