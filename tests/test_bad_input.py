@@ -8,6 +8,8 @@ import json
 import shutil
 import socket
 
+import pytest
+
 from eyas.cli import main
 
 
@@ -116,4 +118,4 @@ def test_vllm_refusing_a_target_is_one_line(tmp_path, capsys, tiny_llama):
     says so in one line naming the target, not as an eyas bug."""
     prompts = _prompts(tmp_path / "p.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "hi"}]}])
     _fails(capsys, ["synth", "--target", str(tiny_llama), "--prompts", prompts, "--out", str(tmp_path / "s"),
-                    "--kv-cache-gib", "1"], "vLLM could not start the target", str(tiny_llama))
+                    "--kv-cache-gib", "1"], "vLLM could not run the target", str(tiny_llama))

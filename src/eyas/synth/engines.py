@@ -59,20 +59,28 @@ class InProcessEngine:
 
         apply_vllm_env()
         dtype = dtype or engine_dtype()
+        self.model = str(model)
         # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
         try:
             self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
                            kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,
                            max_num_seqs=max_num_seqs, disable_log_stats=True)
         except Exception as e:  # noqa: BLE001 - vLLM refuses this model or machine (its log above says why)
-            last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
-            raise ValueError(f"vLLM could not start the target {model}: {last[0][:500]} (vLLM's log above has the "
-                             "details; check the model is one vLLM supports on this machine)") from None
+            raise self._refused(e) from None
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def _refused(self, e: Exception) -> ValueError:
+        """vLLM could not start or run the target (an unsupported model or layout, out of memory): one
+        line naming it; the root cause is in vLLM's log above."""
+        last = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+        return ValueError(f"vLLM could not run the target {self.model}: {last[0][:500]} "
+                          "(vLLM's log above has the root cause; check the model is one vLLM supports on this "
+                          "machine; what was written so far is kept: re-run to resume)")
 
     def generate(self, reqs: list[Request], sampling: Sampling, on_done: OnDone | None = None) -> list[Completion]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
 
         params = [SamplingParams(max_tokens=r.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                                  seed=r.seed) for r in reqs]
@@ -81,6 +89,8 @@ class InProcessEngine:
                                      use_tqdm=False)
         except ValueError as e:  # a request vLLM refuses; the engine itself is fine
             return [Completion(error=f"vLLM refused the batch: {e}") for _ in reqs]
+        except EngineDeadError as e:  # the engine started lazily and died on its first step
+            raise self._refused(e) from None
         res = []
         for o in outs:
             c = o.outputs[0]
