@@ -30,6 +30,88 @@ def _prompts(path, rows) -> str:
     return str(path)
 
 
+# One kind of bad input per row: argv (W = a scratch dir holding the files below, T = the tiny target)
+# and what the one error line must name. None of these starts an engine.
+TABLE = {
+    "target that does not exist": (["synth", "--target", "W/nope", "--prompts", "W/p.jsonl", "--out", "W/o"], ["W/nope"]),
+    "target dir without config.json": (["extract", "--target", "W/noconfig", "--data", "W/conv.jsonl", "--out", "W/o"],
+                                       ["W/noconfig", "config.json"]),
+    "target config.json not JSON": (["extract", "--target", "W/badcfg", "--data", "W/conv.jsonl", "--out", "W/o"],
+                                    ["W/badcfg/config.json"]),
+    "prompts line not JSON": (["synth", "--target", "T", "--prompts", "W/nj.jsonl", "--out", "W/o"],
+                              ["W/nj.jsonl", "invalid_json"]),
+    "prompts without messages": (["synth", "--target", "T", "--prompts", "W/nomsg.jsonl", "--out", "W/o"],
+                                 ["W/nomsg.jsonl", "no_messages"]),
+    "prompts with an unknown role": (["synth", "--target", "T", "--prompts", "W/badrole.jsonl", "--out", "W/o"],
+                                     ["W/badrole.jsonl", "unknown_role"]),
+    "negative temperature": (["synth", "--target", "T", "--prompts", "W/p.jsonl", "--out", "W/o", "--temperature", "-1"],
+                             ["synth.temperature", ">= 0"]),
+    "a word for a number": (["synth", "--target", "T", "--prompts", "W/p.jsonl", "--out", "W/o", "--max-tokens", "abc"],
+                            ["synth.max_tokens", "expected int"]),
+    "layer id past the target's depth": (["extract", "--target", "T", "--data", "W/conv.jsonl", "--out", "W/o",
+                                          "--layer-ids", "1", "2", "99"], ["[99]", "outside"]),
+    "a dir where a data file goes": (["extract", "--target", "T", "--data", "W", "--out", "W/o"], ["W", "directory"]),
+    "features that do not exist": (["train", "--target", "T", "--features", "W/nofeat", "--out", "W/o"],
+                                   ["W/nofeat", "eyas extract"]),
+    "features dir without a manifest": (["train", "--target", "T", "--features", "W/empty", "--out", "W/o"],
+                                        ["W/empty", "eyas extract"]),
+    "lr 0": (["train", "--target", "T", "--features", "W/empty", "--out", "W/o", "--lr", "0"], ["train.lr", "> 0"]),
+    "TTT steps 0": (["train", "--target", "T", "--features", "W/empty", "--out", "W/o", "--ttt-steps", "0"],
+                    ["train.ttt_steps", "> 0"]),
+    "export of a dir that is not a run": (["export", "--run", "W/empty", "--out", "W/x"], ["W/empty", "training run dir"]),
+    "eval of a draft that does not exist": (["eval", "--target", "T", "--draft", "W/nodraft", "--prompts", "W/p.jsonl"],
+                                            ["W/nodraft/config.json"]),
+    "a bad n-gram spec": (["eval", "--target", "T", "--draft", "ngram:5:2", "--prompts", "W/p.jsonl"],
+                          ["ngram:5:2", "MIN <= MAX"]),
+    "unknown data source": (["data", "fetch", "no_such_source"], ["no_such_source", "known sources"]),
+    "data stats of a missing file": (["data", "stats", "W/nope.jsonl"], ["W/nope.jsonl"]),
+    "unknown model": (["models", "fetch", "no-such-model"], ["no-such-model", "known"]),
+    "recipe key misspelt": (["config", "--recipe", "W/r_key.yaml"], ["r_key.yaml:train", "'lrr'", "valid keys"]),
+    "recipe section misspelt": (["config", "--recipe", "W/r_sec.yaml"], ["W/r_sec.yaml", "'trian'", "valid sections"]),
+    "recipe not YAML": (["config", "--recipe", "W/r_yaml.yaml"], ["W/r_yaml.yaml:2:1", "not valid YAML"]),
+    "recipe a list": (["config", "--recipe", "W/r_list.yaml"], ["W/r_list.yaml", "mapping of sections"]),
+    "recipe value of the wrong type": (["config", "--recipe", "W/r_type.yaml"], ["r_type.yaml:train.lr", "expected float"]),
+    "unknown recipe": (["run", "--recipe", "no_such_recipe"], ["no_such_recipe", "known recipes"]),
+    "override without =": (["config", "--recipe", "demo", "train.lr"], ["train.lr", "section.key=value"]),
+    "override of an unknown key": (["config", "--recipe", "demo", "train.nope=1"], ["'nope'", "valid keys"]),
+    "run --out is a file": (["run", "--recipe", "demo", "--out", "W/conv.jsonl"], ["W/conv.jsonl", "another --out"]),
+    "unknown benchmark": (["bench", "nosuch"], ["nosuch", "choose one of"]),
+    "an action a stage does not take": (["export", "--run", "W/empty", "now"], ["takes no actions"]),
+}
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory, tiny_llama):
+    w = tmp_path_factory.mktemp("bad")
+    user = {"role": "user", "content": "hi"}
+    _prompts(w / "p.jsonl", [{"id": "a", "messages": [user]}])
+    _prompts(w / "conv.jsonl", [{"id": "a", "messages": [user, {"role": "assistant", "content": "hello there"}]}])
+    _prompts(w / "nomsg.jsonl", [{"id": "a", "text": "hi"}])
+    _prompts(w / "badrole.jsonl", [{"id": "a", "messages": [{"role": "wizard", "content": "hi"}]}])
+    (w / "nj.jsonl").write_text('{"id": "a", "messages": [\n')
+    for name, text in (("r_key", "train:\n  lrr: 0.1\n"), ("r_sec", "trian:\n  lr: 0.1\n"), ("r_yaml", "train: [\n"),
+                       ("r_list", "- a\n- b\n"), ("r_type", "train:\n  lr: fast\n")):
+        (w / f"{name}.yaml").write_text(text)
+    (w / "empty").mkdir()
+    (w / "noconfig").mkdir()
+    (w / "noconfig" / "model.safetensors").write_bytes(b"")
+    shutil.copytree(tiny_llama, w / "badcfg")
+    (w / "badcfg" / "config.json").write_text("{")
+    return w
+
+
+@pytest.mark.parametrize("case", sorted(TABLE))
+def test_bad_input_table(case, bad_files, tiny_llama, capsys):
+    argv, needles = TABLE[case]
+
+    def fill(a: str) -> str:
+        return str(tiny_llama) if a == "T" else str(bad_files) + a[1:] if a == "W" or a.startswith("W/") else a
+
+    before = sorted(p.name for p in bad_files.rglob("*"))
+    _fails(capsys, [fill(a) for a in argv], *[fill(n) if n.startswith("W") else n for n in needles])
+    assert sorted(p.name for p in bad_files.rglob("*")) == before, "a refused command wrote or removed files"
+
+
 def test_missing_and_non_utf8_inputs(tmp_path, capsys, tiny_llama):
     missing = tmp_path / "nope.jsonl"
     _fails(capsys, ["synth", "--target", str(tiny_llama), "--prompts", str(missing), "--out", str(tmp_path / "s")],

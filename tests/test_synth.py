@@ -311,23 +311,26 @@ def direct(slow_inputs, embedded_target):
 
 @pytest.fixture(scope="module")
 def inproc(slow_inputs, embedded_target):
-    """`eyas synth` in-process, SIGKILLed after its first written batch, then re-run to the end."""
+    """`eyas synth` in-process, killed (eyas.faults) half way through writing a seeded random row, then
+    re-run to the end: returns the output dir, the rows whole at the kill, the re-run's stderr and time."""
+    import random
+
     d, prompts, _ = slow_inputs
     out = d / "inproc"
     args = ["--target", str(embedded_target), "--prompts", str(prompts), "--out", str(out),
             "--max-tokens", str(MAX_TOKENS), "--concurrency", "1", "--kv-cache-gib", "1"]
-    p = run_eyas(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    k = random.Random(0).randint(2, len(ROWS) - 1)  # concurrency 1: one append per row
+    p = run_eyas(args, env={**os.environ, "EYAS_FAILPOINTS": f"append.torn:{k}"},
+                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        t0 = time.monotonic()
-        while not ((out / OUT_FILE).exists() and (out / OUT_FILE).read_bytes().count(b"\n") >= 1):
-            assert p.poll() is None and time.monotonic() - t0 < 300, "first synth run ended before writing a row"
-            time.sleep(0.05)
-        os.killpg(p.pid, signal.SIGKILL)
-        p.wait()
+        err = p.communicate(timeout=600)[1]
+        assert p.returncode == -signal.SIGKILL, f"not killed at append {k}: exit {p.returncode}\n{err[-3000:]}"
     finally:
         if p.poll() is None:
             os.killpg(p.pid, signal.SIGKILL)
-    n_killed = len(read_out(out))
+    written = (out / OUT_FILE).read_bytes()
+    assert not written.endswith(b"\n"), "the kill left no torn line"
+    n_killed = written.count(b"\n")
     t0 = time.monotonic()
     p = run_eyas(args, stderr=subprocess.PIPE, text=True)
     err = p.communicate(timeout=600)[1]

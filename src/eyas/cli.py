@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     args.rest = list(args.rest) + late
     try:
         if args.command == "config":
-            cfg, _ = resolve(args, None)
+            cfg, actions = resolve(args, None)
+            if actions:
+                raise ValueError(f"eyas config takes overrides only (section.key=value), got {actions}")
             if args.section and args.section not in C.SECTIONS:
                 raise ValueError(f"unknown section {args.section!r}; valid sections: {', '.join(C.SECTIONS)}")
             print(C.dump_yaml(getattr(cfg, args.section) if args.section else cfg), end="")

@@ -396,7 +396,7 @@ def read_recipe(recipe: str | None = None) -> Recipe:
         try:
             raw = yaml.safe_load(read_text(path)) or {}
         except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML: {e}") from None
+            raise ValueError(yaml_error_line(path, e)) from None
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: a recipe must be a mapping of sections ({', '.join(SECTIONS)})")
         for section, values in raw.items():
@@ -406,6 +406,14 @@ def read_recipe(recipe: str | None = None) -> Recipe:
                 raise ValueError(f"{path}: section {section!r} must be a mapping of keys")
             set_values(cfg, section, values, f"{path.name}:{section}")
     return cfg
+
+
+def yaml_error_line(path: Path, e: yaml.YAMLError) -> str:
+    """One line for a YAML syntax error: FILE:LINE:COL and what the parser expected."""
+    mark = getattr(e, "problem_mark", None)
+    where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+    what = " ".join(str(x) for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+    return f"{where}: not valid YAML ({' '.join(what.split())}): fix the recipe there"
 
 
 def apply_override(cfg: Recipe, override: str, default_section: str | None = None) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from eyas.config import ExtractConfig, choices
+from eyas.faults import failpoint
 from eyas.fp8 import dequantize_fp8, quantize_fp8
 from eyas.io import atomic_path, open_safetensors
 from eyas.manifest import read_manifest, sha256_file, write_manifest
@@ -162,6 +163,7 @@ class FeatureWriter:
         path = self.out / shard_name(index)
         tensors, meta = pack_shard(self.pending, self.header["dtype"])
         write_shard_atomic(path, tensors, meta)
+        failpoint("extract.shard")
         self.shards.append({
             "file": path.name,
             "sha256": sha256_file(path),

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from eyas.faults import die, failpoint, reached
+
 
 def plain_mode(path: str | os.PathLike) -> None:
     """Give a file the mode a plain `open(..., "w")` would (0666 less the umask): safetensors and
@@ -45,6 +47,7 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         plain_mode(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
+        failpoint("write.before_rename")
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
@@ -71,8 +74,13 @@ def append_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
     """Append records and fsync: what is appended survives a crash right after."""
     if not records:
         return
+    data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
     with open(path, "ab") as f:
-        f.write("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode())
+        if reached("append.torn"):
+            f.write(data[: len(data) // 2])
+            f.flush()
+            die()
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
 

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from eyas.checkpoints import WEIGHTS, check_dcp, checkpoints_dir, mark_latest, sign_dcp, step_name
+from eyas.faults import failpoint
 from eyas.io import open_safetensors, plain_mode, read_json
 
 
@@ -86,6 +87,7 @@ def save_checkpoint(
         dist.barrier()
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
+    failpoint("checkpoint.dcp")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     (tmp / "rng").mkdir(exist_ok=True)
     _save_rng_state(tmp / "rng" / f"rank_{rank}.safetensors")
@@ -98,10 +100,14 @@ def save_checkpoint(
         sign_dcp(tmp)
         (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": world}, indent=2) + "\n")
         (tmp / "draft.json").write_text(json.dumps({**draft_meta, "step": step}, indent=2, default=str) + "\n")
-        if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
-            shutil.rmtree(final)
+        old = ck / f".old_{step_name(step)}"
+        if final.exists():  # a re-save of the same step (e.g. after a resume): swap it whole, then drop the old
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(final, old)
         os.replace(tmp, final)
+        failpoint("checkpoint.renamed")
         mark_latest(run_dir, final)
+        shutil.rmtree(old, ignore_errors=True)
     if world > 1:
         dist.barrier()
     return final

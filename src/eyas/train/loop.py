@@ -30,6 +30,7 @@ from eyas.draft.spec import DraftSpec, draft_config_dict, spec_dict
 from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab, vocab_coverage
+from eyas.faults import failpoint
 from eyas.manifest import read_manifest, sha256_file, sha256_text, write_manifest
 from eyas.models import eyas_home, resolve_target
 from eyas.stage import ChangedOutput, inherited, output_dir
@@ -503,6 +504,7 @@ class Trainer:
                 _log(f"the data stream ended after {done} steps", d)
                 break
             done = step
+            failpoint("train.step")
             final = step == cfg.max_steps
             if step % max(1, cfg.log_every) == 0 or final:
                 self.log(step, bar)

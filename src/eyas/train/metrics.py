@@ -12,7 +12,6 @@ and TensorBoard (RUN/tb) by rank 0.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -21,7 +20,7 @@ from typing import Any
 
 import torch
 
-from eyas.io import scan_jsonl, write_jsonl
+from eyas.io import append_jsonl, scan_jsonl, write_jsonl
 
 
 def _div(a: torch.Tensor, b: torch.Tensor) -> list[float]:
@@ -81,8 +80,7 @@ class MetricsLogger:
     def log(self, rec: dict[str, Any], echo: bool = True) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+        append_jsonl(self.path, [rec])
         if self.tb is not None:
             step = rec["step"]
             for k, v in rec.items():

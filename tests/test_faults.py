@@ -1,0 +1,155 @@
+"""Fault injection: each resumable stage is killed (SIGKILL, by eyas.faults) at seeded random points of
+its own run, re-run with the same command until it finishes, and must end exactly as an uninterrupted
+run: every conversation / sample / step once, outputs equal bit for bit, no debris left.
+
+A reference run logs every failpoint it passes (EYAS_FAILPOINT_LOG); each seed draws kill points
+from that log: the k-th pass through a name is the point. A re-run that resumes past a drawn point
+finishes instead, which is as good an outcome."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_extract import write_convs
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+SEEDS = (0, 1, 2)
+KILLS = 3  # kill points drawn per seed; each re-run gets the next one
+
+
+def run(cmd: list[str], **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env={**ENV, **env}, capture_output=True, text=True, timeout=600)
+
+
+def reference(cmd: list[str], log: Path) -> list[str]:
+    """Run `cmd` uninterrupted; the failpoints it passed, in order."""
+    res = run(cmd, EYAS_FAILPOINT_LOG=str(log))
+    assert res.returncode == 0, res.stderr[-3000:]
+    points = log.read_text().split()
+    assert points, "the reference run passed no failpoint"
+    return points
+
+
+def draw(points: list[str], seed: int) -> list[str]:
+    """KILLS points `NAME:N` (the N-th pass through NAME), at seeded random places of a reference run."""
+    rng = random.Random(seed)
+    picks = sorted(rng.sample(range(len(points)), KILLS))
+    return [f"{points[i]}:{points[: i + 1].count(points[i])}" for i in picks]
+
+
+def killed_until_done(cmd: list[str], kills: list[str]) -> list[str]:
+    """Run `cmd` with each kill point in turn, then without: the kill points that landed."""
+    landed = []
+    for spec in kills:
+        res = run(cmd, EYAS_FAILPOINTS=spec)
+        if res.returncode == 0:
+            continue  # the re-run resumed past this point
+        assert res.returncode == -9, f"{spec}: exit {res.returncode}, not a kill:\n{res.stderr[-3000:]}"
+        landed.append(spec)
+    res = run(cmd)
+    assert res.returncode == 0, f"after kills at {landed}:\n{res.stderr[-3000:]}"
+    return landed
+
+
+def debris(d: Path) -> list[str]:
+    """Temp files and half-made checkpoints a kill can leave (eyas.io, eyas.train.checkpoint names)."""
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*") if ".tmp." in p.name or p.name.startswith((".tmp_", ".old_")))
+
+
+# ---------------------------------------------------------------- extract
+
+@pytest.fixture(scope="module")
+def extract_ref(tmp_path_factory, tiny_llama):
+    d = tmp_path_factory.mktemp("faults_extract")
+    data = write_convs(d / "convs.jsonl", 24)
+
+    def cmd(out: Path) -> list[str]:  # --batch-tokens 1: one conversation per forward, so no padding differs
+        return [sys.executable, "-m", "eyas", "extract", "--target", str(tiny_llama), "--data", str(data),
+                "--out", str(out), "--samples-per-shard", "3", "--layer-ids", "1", "2", "3", "--batch-tokens", "1",
+                "--compute-dtype", "fp32"]
+
+    points = reference(cmd(d / "ref"), d / "ref.log")
+    return cmd, d / "ref", points
+
+
+def _samples(path: Path) -> dict[str, dict[str, torch.Tensor]]:
+    from eyas.features import open_features
+
+    ds = open_features(path)
+    return {ds.ids[i]: ds[i] for i in range(len(ds))}
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_extract_killed_at_random_points(tmp_path, extract_ref, seed):
+    from eyas.features import verify_features
+
+    cmd, ref, points = extract_ref
+    assert {"extract.shard", "write.before_rename"} <= set(points)
+    out = tmp_path / "feat"
+    landed = killed_until_done(cmd(out), draw(points, seed))
+    assert landed, "no kill landed"
+    assert verify_features(out)["samples"] == 24
+    got, want = _samples(out), _samples(ref)
+    assert sorted(got) == sorted(want)  # every conversation once
+    for i, s in want.items():
+        assert s.keys() == got[i].keys()
+        for k, t in s.items():
+            same = torch.equal(got[i][k], t) if isinstance(t, torch.Tensor) else got[i][k] == t
+            assert same, f"{i}/{k} differs after kills at {landed}"
+    assert debris(out) == []
+
+
+# ---------------------------------------------------------------- train
+
+@pytest.fixture(scope="module")
+def train_ref(tmp_path_factory, tiny_llama):
+    from eyas.config import ExtractConfig
+    from eyas.extract import extract
+
+    d = tmp_path_factory.mktemp("faults_train")
+    write_convs(d / "convs.jsonl", 24)
+    extract(ExtractConfig(target=str(tiny_llama), data=str(d / "convs.jsonl"), out=str(d / "feat"),
+                          compute_dtype="fp32", samples_per_shard=8))
+
+    def cmd(out: Path) -> list[str]:
+        return [sys.executable, "-m", "eyas", "train", "--target", str(tiny_llama), "--features", str(d / "feat"),
+                "--out", str(out), "--max-steps", "8", "--token-budget", "256", "--draft-vocab-size", "512",
+                "--lr", "0.002", "--warmup-steps", "2", "--log-every", "1", "--save-every", "2", "--ttt-steps", "3",
+                "--threads", "1", "--precision", "fp32", "--no-progress", "--resume"]
+
+    points = reference(cmd(d / "ref"), d / "ref.log")
+    return cmd, d / "ref", points
+
+
+def _steps(run_dir: Path) -> list[tuple[int, float]]:
+    recs = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    return [(r["step"], r["loss"]) for r in recs if "loss" in r]
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_train_killed_at_random_points(tmp_path, train_ref, seed):
+    from safetensors.torch import load_file
+
+    cmd, ref, points = train_ref
+    assert {"train.step", "checkpoint.dcp", "checkpoint.renamed", "append.torn"} <= set(points)
+    out = tmp_path / "run"
+    landed = killed_until_done(cmd(out), draw(points, seed))
+    assert landed, "no kill landed"
+    assert _steps(out) == _steps(ref)  # every step logged once, with the uninterrupted run's loss
+    ck = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert ck == sorted(p.name for p in (ref / "checkpoints").iterdir())
+    for step in ("step_2", "step_4", "step_6", "step_8"):
+        got = load_file(out / "checkpoints" / step / "draft.safetensors")
+        want = load_file(ref / "checkpoints" / step / "draft.safetensors")
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in want), f"{step} differs after kills at {landed}"
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_8"
+    assert json.loads((out / "manifest.json").read_text())["complete"]
+    assert debris(out) == []
