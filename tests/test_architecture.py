@@ -17,6 +17,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # Lowest first. A module may import modules of lower layers and of its own top-level package
 # (eyas.draft.model -> eyas.draft.unroll); nothing of its own layer otherwise, nothing above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("failpoints", ("eyas.faults",)),  # where the fault-injection suite kills: reachable from every write
     ("files", ("eyas.io",)),  # atomic writes, strict readers: what the config reader and everything else use
     ("foundation", ("eyas", "eyas.host", "eyas.config", "eyas.packing", "eyas.fp8", "eyas.children")),
     ("records", ("eyas.manifest", "eyas.target", "eyas.vllm_runner")),

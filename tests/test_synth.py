@@ -311,15 +311,13 @@ def direct(slow_inputs, embedded_target):
 
 @pytest.fixture(scope="module")
 def inproc(slow_inputs, embedded_target):
-    """`eyas synth` in-process, killed (eyas.faults) half way through writing a seeded random row, then
-    re-run to the end: returns the output dir, the rows whole at the kill, the re-run's stderr and time."""
-    import random
-
+    """`eyas synth` in-process, killed (eyas.faults) half way through appending its second batch of rows,
+    then re-run to the end: returns the output dir, the rows whole at the kill, the re-run's stderr and time."""
     d, prompts, _ = slow_inputs
     out = d / "inproc"
     args = ["--target", str(embedded_target), "--prompts", str(prompts), "--out", str(out),
             "--max-tokens", str(MAX_TOKENS), "--concurrency", "1", "--kv-cache-gib", "1"]
-    k = random.Random(0).randint(2, len(ROWS) - 1)  # concurrency 1: one append per row
+    k = 2  # concurrency 1 writes batches of 4 conversations: the second append holds the last 2, torn half way
     p = run_eyas(args, env={**os.environ, "EYAS_FAILPOINTS": f"append.torn:{k}"},
                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
