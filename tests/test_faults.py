@@ -60,7 +60,8 @@ def killed_until_done(cmd: list[str], kills: list[str]) -> list[str]:
 
 def debris(d: Path) -> list[str]:
     """Temp files and half-made checkpoints a kill can leave (eyas.io, eyas.train.checkpoint names)."""
-    return sorted(str(p.relative_to(d)) for p in d.rglob("*") if ".tmp." in p.name or p.name.startswith((".tmp_", ".old_")))
+    return sorted(str(p.relative_to(d)) for p in d.rglob("*")
+                  if ".tmp." in p.name or p.name.startswith((".tmp_", ".old_")))
 
 
 # ---------------------------------------------------------------- extract

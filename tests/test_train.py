@@ -320,8 +320,8 @@ class _Payload:
 
 def test_a_crafted_checkpoint_runs_nothing(tiny_data, tmp_path):
     """Export reads a checkpoint's draft.safetensors (no pickle); resume loads DCP only when eyas signed it
-    here: a crafted dcp/.metadata executes nothing through `eyas export` or a resume, unless the user trusts it
-    (then it does: the payload is live)."""
+    here: a crafted dcp/.metadata executes nothing through `eyas export`, `eyas eval` or a resume, unless the user
+    trusts it (then it does: the payload is live)."""
     import pickle
 
     run = _trained(tiny_data, tmp_path / "run", max_steps=2)
@@ -334,6 +334,14 @@ def test_a_crafted_checkpoint_runs_nothing(tiny_data, tmp_path):
                            "--out", str(tmp_path / "draft")], capture_output=True, text=True, env=ENV, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert (tmp_path / "draft" / "model.safetensors").exists() and not marker.exists()
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    for draft in (ckpt, run):  # eval serves exported drafts only: a checkpoint or run dir is refused, unread
+        proc = subprocess.run([sys.executable, "-m", "eyas", "eval", "--target", str(tiny_data["target"]),
+                               "--draft", str(draft), "--prompts", str(prompts)], capture_output=True, text=True,
+                              env=ENV, timeout=300)
+        assert proc.returncode == 2 and f"{draft}/config.json" in proc.stderr, proc.stderr[-3000:]
+    assert not marker.exists()
 
     proc = subprocess.run([sys.executable, "-m", "eyas", "train", *_flags(_cfg(tiny_data, run, max_steps=3)),
                            "--resume"], capture_output=True, text=True, env=ENV, timeout=300)
