@@ -76,8 +76,10 @@ def append_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
         return
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
     with open(path, "ab") as f:
-        if reached("append.torn"):  # cut mid-line, never on a line's end
-            f.write(data[: len(data) // 2 - (data[len(data) // 2 - 1 : len(data) // 2] == b"\n")])
+        if reached("append.torn"):
+            cut = len(data) // 2
+            cut -= data[cut - 1 : cut] == b"\n"  # mid-line, never at a line's end
+            f.write(data[:cut])
             f.flush()
             die()
         f.write(data)
