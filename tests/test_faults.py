@@ -141,8 +141,13 @@ def test_train_killed_at_random_points(tmp_path, train_ref, seed):
     cmd, ref, points = train_ref
     assert {"train.step", "checkpoint.dcp", "checkpoint.renamed", "append.torn"} <= set(points)
     out = tmp_path / "run"
+    mine = out / "checkpoints" / "step_4.notes"  # a user's file beside the checkpoints eyas swaps and removes
+    mine.parent.mkdir(parents=True)
+    mine.write_text("mine")
     landed = killed_until_done(cmd(out), draw(points, seed))
     assert landed, "no kill landed"
+    assert mine.read_text() == "mine"
+    mine.unlink()
     assert _steps(out) == _steps(ref)  # every step logged once, with the uninterrupted run's loss
     ck = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert ck == sorted(p.name for p in (ref / "checkpoints").iterdir())
@@ -154,3 +159,21 @@ def test_train_killed_at_random_points(tmp_path, train_ref, seed):
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_8"
     assert json.loads((out / "manifest.json").read_text())["complete"]
     assert debris(out) == []
+
+
+def test_train_resaves_a_checkpoint_whole(tmp_path, train_ref):
+    """Killed with step_4 renamed in but `latest` still on step_2: the re-run resumes from step_2 and
+    saves step_4 again, swapping the old dir out before removing it; a user's file beside it stays."""
+    from safetensors.torch import load_file
+
+    cmd, ref, _ = train_ref
+    out = tmp_path / "run"
+    mine = out / "checkpoints" / "step_4.notes"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("mine")
+    assert killed_until_done(cmd(out), ["checkpoint.renamed:2"]) == ["checkpoint.renamed:2"]
+    assert mine.read_text() == "mine"
+    got = load_file(out / "checkpoints" / "step_4" / "draft.safetensors")
+    want = load_file(ref / "checkpoints" / "step_4" / "draft.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert _steps(out) == _steps(ref) and debris(out) == []
