@@ -259,7 +259,7 @@ def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path):
     assert [r["loss"] for r in adamw][1:] != [r["loss"] for r in a][1:]  # a different update rule
 
     model = random_draft(small_spec())
-    opts = build_optimizer(_cfg(tiny_data, tmp_path / "x", optimizer="muon"), model)
+    opts = build_optimizer(_cfg(tiny_data, tmp_path / "x", optimizer="muon"), model, "fp32")
     muon = {id(p) for p in opts[0].param_groups[0]["params"]}
     names = {n for n, p in model.named_parameters() if id(p) in muon}
     assert isinstance(opts, Optimizers) and names == {"fc.weight"} | {
@@ -271,6 +271,41 @@ def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path):
     _run_cli(_cfg(tiny_data, two, max_steps=4, grad_accum=1, optimizer="muon"), nproc=2)
     for x, y in zip(_metrics(one), _metrics(two)):
         assert x["loss"] == pytest.approx(y["loss"], rel=2e-4), (x["step"], x["loss"], y["loss"])
+
+
+def test_muon_float32_newton_schulz_matches_torch(monkeypatch):
+    """eyas's Muon is torch's step with ns_dtype="bf16"; with "fp32", against torch's step
+    with its iteration patched to float32 it is equal to rounding (momentum, Nesterov, weight decay,
+    lr adjustment, wide and tall matrices, several steps); against torch's bf16 step it is close; its
+    state loads into torch's Muon."""
+    import torch.optim._muon as tm
+
+    from eyas.train.muon import Muon, newton_schulz
+
+    def run(cls, shapes, steps=3, **kw):
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        opt = cls(ps, lr=2e-3, weight_decay=0.01, adjust_lr_fn="match_rms_adamw", **kw)
+        for i in range(steps):
+            for p in ps:
+                p.grad = torch.randn_like(p) * (i + 1)
+            opt.step()
+        return ps, opt
+
+    shapes = [(24, 72), (64, 16), (32, 32)]
+    bf16, _ = run(torch.optim.Muon, shapes)
+    assert all(torch.equal(a, b) for a, b in zip(run(Muon, shapes, ns_dtype="bf16")[0], bf16))
+    ours, opt = run(Muon, shapes, ns_dtype="fp32")
+    for a, b in zip(ours, bf16):
+        assert not torch.equal(a, b) and torch.allclose(a, b, atol=2e-4, rtol=0)  # bf16 rounding only
+    monkeypatch.setattr(tm, "_zeropower_via_newtonschulz", newton_schulz)
+    f32, _ = run(torch.optim.Muon, shapes)
+    for a, b in zip(ours, f32):
+        assert torch.allclose(a, b, atol=1e-7, rtol=0)
+    o = newton_schulz(torch.randn(48, 96), (3.4445, -4.7750, 2.0315), 5, 1e-7)
+    s = torch.linalg.svdvals(o)
+    assert o.dtype == torch.float32 and s.min() > 0.5 and s.max() < 1.5  # near-orthogonal, as torch's
+    torch.optim.Muon(ours, adjust_lr_fn="match_rms_adamw").load_state_dict(opt.state_dict())
 
 
 def test_warm_start_from_an_exported_draft(tiny_data, tmp_path):
@@ -726,6 +761,10 @@ def test_bench_levers_table(tiny_data, tmp_path, monkeypatch, capsys):
     assert predict_tokens(a, b, 2.5) == pytest.approx(100000) and predict_tokens(a, -b, 2.5) is None
     with pytest.raises(ValueError, match="two or more"):
         bench_curve(cfg, [0, 0], tmp_path / "b")
+    scaled = bench_curve(cfg, [10, 0], tmp_path / "b", steps=[1, 3])  # steps scaled with the data
+    assert [(r["samples"], r["steps"]) for r in scaled["rows"]] == [(10, 1), (45, 3)]
+    with pytest.raises(ValueError, match="one positive step count per"):
+        bench_curve(cfg, [10, 0], tmp_path / "b", steps=[2])
 
 
 def test_bf16_compute_keeps_fp32_master_weights(tiny_data, tmp_path):

@@ -124,7 +124,7 @@ class TrainConfig:
     hard_label: float = 0.0  # weight of CE on the target's argmax mixed into the soft CE (0: soft only)
     loss: Literal["kl", "lk"] = "kl"  # kl: soft CE to the target; lk: -log acceptance probability (-log Σ min(p, q))
     min_target_prob: float = 0.0  # train only positions where the target's top draft-vocab prob >= this (0: all)
-    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: torch's Muon on the 2-D matrices of fc and the layer
+    optimizer: Literal["adamw", "muon"] = "adamw"  # muon: Muon (eyas.train.muon) on fc and the layer's matrices
     init_from: str = ""  # warm start: an exported draft dir (eyas, vLLM or speculators format) for this target
     loss_tokens: Literal["assistant", "all"] = "assistant"  # all: prompt tokens too, against the target's distributions
     score_every: int = 1  # accuracy metrics on every Nth micro-batch (the target's full-vocab top-1: about 1/4 of a CPU step here)
@@ -197,6 +197,7 @@ class BenchConfig:
     limit: int = 16  # prompts per domain
     levers: list[str] = field(default_factory=list)  # `bench levers` rows: "NAME: section.key=value, ..."
     curve_samples: list[int] = field(default_factory=lambda: [60, 120, 240, 0])  # `bench curve`: train.max_samples
+    curve_steps: list[int] = field(default_factory=list)  # `bench curve`: train.max_steps per point (default: train's)
 
 
 @dataclass

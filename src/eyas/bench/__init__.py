@@ -90,7 +90,7 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
         else:
             from eyas.bench.curve import bench_curve
 
-            res = bench_curve(cfg, b.curve_samples, Path(b.out))
+            res = bench_curve(cfg, b.curve_samples, Path(b.out), b.curve_steps)
     elif what == "train":
         from eyas.bench.train import run_bench
 

@@ -39,6 +39,7 @@ from eyas.train import parallel as P
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 from eyas.train.data import collate, open_data
 from eyas.train.metrics import MetricsLogger, format_line, summarize
+from eyas.train.muon import Muon
 
 
 class WarmupCosine:
@@ -190,10 +191,11 @@ class Optimizers(list):
             o.zero_grad(set_to_none=set_to_none)
 
 
-def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer | Optimizers:
-    """AdamW on every trainable parameter; with `optimizer: muon`, torch's Muon on the 2-D matrices of
+def build_optimizer(cfg: TrainConfig, model: torch.nn.Module, precision: str) -> torch.optim.Optimizer | Optimizers:
+    """AdamW on every trainable parameter; with `optimizer: muon`, Muon on the 2-D matrices of
     `fc` and the decoder layer (its lr matched to AdamW's update RMS, so one schedule drives both) and
-    AdamW on the rest (norms, lm_head: Muon is for hidden matrices, not output layers)."""
+    AdamW on the rest (norms, lm_head: Muon is for hidden matrices, not output layers). Muon is
+    torch's, its Newton-Schulz iteration in the compute `precision` (bf16 | fp32: eyas.train.muon)."""
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     adamw = dict(lr=cfg.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
@@ -201,7 +203,7 @@ def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Opt
     hidden = [p for n, p in named if p.ndim == 2 and (n.startswith("fc.") or n.startswith("midlayer."))]
     ids = {id(p) for p in hidden}
     return Optimizers([
-        torch.optim.Muon(hidden, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
+        Muon(hidden, ns_dtype=precision, lr=cfg.lr, weight_decay=cfg.weight_decay, adjust_lr_fn="match_rms_adamw"),
         torch.optim.AdamW([p for _, p in named if id(p) not in ids], **adamw),
     ])
 
@@ -230,7 +232,7 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
     if d is not None:
         P.apply_fsdp(model, d, precision)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(cfg, model)
+    opt = build_optimizer(cfg, model, precision)
     sched = WarmupCosine(cfg.lr, cfg.warmup_steps, cfg.lr_decay_steps or cfg.max_steps, cfg.min_lr_ratio)
     head_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     head = TargetHead(lm_head, vocab.draft_ids, softcap=tcfg_d.get("final_logit_softcapping"),
