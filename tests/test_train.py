@@ -240,7 +240,8 @@ def test_two_ranks_match_one_rank(tiny_data, tmp_path):
     assert json.loads((two / "manifest.json").read_text())["world_size"] == 2
 
 
-def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path):
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])  # torch's Muon step; eyas's float32 Newton-Schulz
+def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path, precision):
     """optimizer=muon: Muon on fc and the layer's matrices, AdamW on the rest; both optimizers' states
     go through the DCP checkpoint (a resumed run repeats an uninterrupted one) and 2 FSDP2 ranks step
     like one (Newton-Schulz runs on the whole matrix, not on each rank's shard)."""
@@ -248,9 +249,10 @@ def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path):
     from eyas.train.loop import Optimizers, build_optimizer
 
     full, part = tmp_path / "full", tmp_path / "part"
-    train(_cfg(tiny_data, full, max_steps=6, lr_decay_steps=6, optimizer="muon"))
-    train(_cfg(tiny_data, part, max_steps=3, lr_decay_steps=6, optimizer="muon"))
-    train(_cfg(tiny_data, part, max_steps=6, lr_decay_steps=6, optimizer="muon", resume=True))
+    mk = dict(optimizer="muon", precision=precision)
+    train(_cfg(tiny_data, full, max_steps=6, lr_decay_steps=6, **mk))
+    train(_cfg(tiny_data, part, max_steps=3, lr_decay_steps=6, **mk))
+    train(_cfg(tiny_data, part, max_steps=6, lr_decay_steps=6, resume=True, **mk))
     a, b = _metrics(full), _metrics(part)
     assert [r["step"] for r in b] == list(range(1, 7))
     for x, y in zip(a, b):
@@ -267,8 +269,8 @@ def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path):
                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
 
     one, two = tmp_path / "one", tmp_path / "two"
-    _run_cli(_cfg(tiny_data, one, max_steps=4, grad_accum=2, optimizer="muon"))
-    _run_cli(_cfg(tiny_data, two, max_steps=4, grad_accum=1, optimizer="muon"), nproc=2)
+    _run_cli(_cfg(tiny_data, one, max_steps=4, grad_accum=2, **mk))
+    _run_cli(_cfg(tiny_data, two, max_steps=4, grad_accum=1, **mk), nproc=2)
     for x, y in zip(_metrics(one), _metrics(two)):
         assert x["loss"] == pytest.approx(y["loss"], rel=2e-4), (x["step"], x["loss"], y["loss"])
 
