@@ -50,9 +50,9 @@ def bench_curve(cfg: Recipe, samples: list[int], out: Path, steps: list[int] | N
                          f"({len(samples)}), got {steps}")
     root = out / "curve"
     ngram = ngram_row(cfg, root)
-    rows = [run_row(cfg, f"n{m}" if m else "all", [f"train.max_samples={m}"], root) for m in samples] if not steps \
-        else [run_row(cfg, f"{f'n{m}' if m else 'all'}_s{s}", [f"train.max_samples={m}", f"train.max_steps={s}"], root)
-              for m, s in zip(samples, steps)]
+    rows = [run_row(cfg, (f"n{m}" if m else "all") + (f"_s{s}" if s else ""),
+                    [f"train.max_samples={m}"] + ([f"train.max_steps={s}"] if s else []), root)
+            for m, s in zip(samples, steps or [0] * len(samples))]  # s = 0: the recipe's train.max_steps
     rows.sort(key=lambda r: r["generated_tokens"])
     a, b = fit_log([(r["generated_tokens"], r["true_al"]) for r in rows])
     predicted = {str(al): predict_tokens(a, b, al) for al in AIMS}
