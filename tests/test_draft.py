@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import subprocess
@@ -454,10 +455,22 @@ with set_current_vllm_config(vc):
 '''
 
 
-def test_matches_vllm_llama_eagle3_layer(tmp_path):
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "partial": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.5},  # MiniMax-M2
+    "llama3": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn_partial": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
+                     "partial_rotary_factor": 0.5},
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_matches_vllm_llama_eagle3_layer(tmp_path, rope):
     """Same weights, same inputs: our TTT logits == vLLM's own Eagle3 decoder layer run as the
-    proposer runs it (first pass over the prefix, then one token per draft step), full vocab via d2t."""
-    spec = small_spec(V=200, Vd=64, H=64, nh=4, nkv=2, hd=16)
+    proposer runs it (first pass over the prefix, then one token per draft step), full vocab via d2t;
+    for each rope the draft config can carry (a partial one rotates only the first dims of a head)."""
+    spec = dataclasses.replace(small_spec(V=200, Vd=64, H=64, nh=4, nkv=2, hd=16), rope_parameters=ROPES[rope])
     model = random_draft(spec, seed=3)
     g = torch.Generator().manual_seed(4)
     T, K = 10, 4

@@ -40,7 +40,9 @@ class RMSNorm(nn.Module):
 
 
 class Rope(nn.Module):
-    """Neox-style rotary embedding of the target's type (default, llama3, yarn, ...) via transformers."""
+    """Neox-style rotary embedding of the target's type (default, llama3, yarn, ...) via transformers,
+    on the first R = head_dim * partial_rotary_factor dims of each head as vLLM's `get_rope` applies it
+    (MiniMax rotates half of each head): inv_freq = theta^(-2i/R), dims R.. pass through unrotated."""
 
     def __init__(self, spec: DraftSpec):
         super().__init__()
@@ -49,15 +51,24 @@ class Rope(nn.Module):
 
         cfg = LlamaConfig(**draft_config_dict(spec))
         self.inner = LlamaRotaryEmbedding(cfg)
+        rp = spec.rope_parameters
+        rot = int(rp.get("rope_dim") or spec.head_dim * float(rp.get("partial_rotary_factor", 1.0)))
+        if 2 * self.inner.inv_freq.numel() != rot:  # Llama's default init rotates every dim: give it R
+            theta = float(rp.get("rope_theta", 10000.0))
+            inv = 1.0 / theta ** (torch.arange(0, rot, 2, dtype=torch.int64).float() / rot)
+            self.inner.register_buffer("inv_freq", inv, persistent=False)
+            self.inner.original_inv_freq = inv
 
     def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """positions [B, T], each x [B, heads, T, D] -> the rotated xs (cos/sin computed once)."""
-        cos, sin = self.inner(xs[0], positions)  # [B, T, D]
+        """positions [B, T], each x [B, heads, T, D] -> the rotated xs (cos/sin [B, T, R] computed once)."""
+        cos, sin = self.inner(xs[0], positions)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        R = cos.shape[-1]
         out = []
         for x in xs:
-            x1, x2 = x.chunk(2, dim=-1)
-            out.append(x * cos + torch.cat((-x2, x1), dim=-1) * sin)
+            xr, rest = x[..., :R], x[..., R:]
+            x1, x2 = xr.chunk(2, dim=-1)
+            out.append(torch.cat((xr * cos + torch.cat((-x2, x1), dim=-1) * sin, rest), dim=-1))
         return tuple(out)
 
 
