@@ -19,7 +19,8 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("failpoints", ("eyas.faults",)),  # where the fault-injection suite kills: reachable from every write
     ("files", ("eyas.io",)),  # atomic writes, strict readers: what the config reader and everything else use
-    ("foundation", ("eyas", "eyas.host", "eyas.config", "eyas.packing", "eyas.fp8", "eyas.children")),
+    ("foundation", ("eyas", "eyas.host", "eyas.config", "eyas.packing", "eyas.fp8", "eyas.children",
+                    "eyas.vllm_fixes")),
     ("records", ("eyas.manifest", "eyas.target", "eyas.vllm_runner")),
     ("rules", ("eyas.stage",)),  # where a stage writes, when it skips or resumes
     ("engines", ("eyas.models", "eyas.chat")),

@@ -462,6 +462,8 @@ ROPES = {
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
     "yarn_partial": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64,
                      "partial_rotary_factor": 0.5},
+    "kimi_yarn": {"rope_type": "yarn", "rope_theta": 5e4, "factor": 64.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "beta_fast": 1.0, "beta_slow": 1.0, "original_max_position_embeddings": 4},  # Kimi-K2's, short
 }
 
 

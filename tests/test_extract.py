@@ -64,9 +64,9 @@ def tok_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @functools.lru_cache(maxsize=1)
 def _fp32_model(target: Path):
-    from transformers import AutoModelForCausalLM
+    from eyas.target import load_language_model
 
-    return AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+    return load_language_model(target, torch.float32).eval()  # a multimodal wrapper's language model
 
 
 def hf_reference(target: Path, input_ids: torch.Tensor):

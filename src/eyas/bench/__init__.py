@@ -112,7 +112,7 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
     else:
         from eyas.bench.quant import run_bench
 
-        res = run_bench(target, exclude=cfg.quantize.exclude)
+        res = run_bench(target, exclude=cfg.quantize.exclude, layers=cfg.quantize.layers)
     if isinstance(res, dict):
         res = {"machine": machine(), **res}
     else:

@@ -41,7 +41,7 @@ def _score(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @torch.no_grad()
 def run_bench(target: str | Path, out: str | Path = "", tokens: int = 2048, seq_len: int = 512,
-              exclude: list[str] | None = None, log=print) -> dict[str, Any]:
+              exclude: list[str] | None = None, layers: str = "all", log=print) -> dict[str, Any]:
     """Perplexity / agreement of MXFP4 vs bf16 weights on `tokens` held-out tokens; quantizer speed."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -58,10 +58,17 @@ def run_bench(target: str | Path, out: str | Path = "", tokens: int = 2048, seq_
 
     patterns = list(dict.fromkeys(ALWAYS_EXCLUDE + list(exclude or [])))
     t0, params = time.perf_counter(), 0
-    for name, p in model.named_parameters():  # tied lm_head shares embed_tokens: kept
-        if classify(name, tuple(p.shape), patterns) == "quantize":
-            packed, scales = mxfp4.quantize(p.to(torch.bfloat16), name=name)  # the checkpoint holds bf16
-            p.copy_(mxfp4.dequantize(packed, scales, torch.float32))
+    for mname, mod in model.named_modules():  # tied lm_head shares embed_tokens: kept
+        for pname, p in mod.named_parameters(recurse=False):
+            name = f"{mname}.{pname}" if mname else pname
+            kind = classify(name, tuple(p.shape), patterns, layers)
+            if kind not in ("quantize", "experts"):
+                continue
+            # blocks of 32 run along a linear's input dim: the last one, or dim 1 of fused experts stored
+            # [E, in, out] (transformers' `is_transposed` experts: gpt-oss); [E, out, in] otherwise (Qwen3-MoE)
+            w = p.transpose(1, 2) if kind == "experts" and getattr(mod, "is_transposed", False) else p
+            packed, scales = mxfp4.quantize(w.to(torch.bfloat16), name=name)  # the checkpoint holds bf16
+            w.copy_(mxfp4.dequantize(packed, scales, torch.float32))
             params += p.numel()
     quant_s = time.perf_counter() - t0
     if params == 0:

@@ -188,24 +188,28 @@ class DraftSpec:
     @classmethod
     def from_target_config(
         cls, tcfg: Any, layer_ids: list[int] | tuple[int, ...], draft_vocab_size: int, fc_norm: bool = False,
-        norm_before_fc: bool = False,
+        norm_before_fc: bool = False, num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
+        intermediate_size: int = 0,
     ) -> DraftSpec:
-        """Sizes from a transformers config of the target (dense or MoE)."""
+        """Sizes from a transformers config of the target (dense, MoE, MLA; a multimodal wrapper's text
+        config); a size given (> 0) replaces the one `draft_geometry` derives."""
         tcfg = text_config(tcfg)
         ids = tuple(int(i) for i in layer_ids)
         L = int(tcfg.num_hidden_layers)
         if list(ids) != sorted(set(ids)) or not ids or ids[0] < 0 or ids[-1] > L:
             raise ValueError(f"layer ids {list(ids)} must be ascending, unique and within 0..{L}")
         H = int(tcfg.hidden_size)
-        nh = int(tcfg.num_attention_heads)
-        head_dim = getattr(tcfg, "head_dim", None) or H // nh
-        inter = getattr(tcfg, "intermediate_size", None) or 4 * H
+        geo = draft_geometry(tcfg)
+        nh, nkv = num_heads or geo["num_heads"], num_kv_heads or num_heads or geo["num_kv_heads"]
+        head_dim, inter = head_dim or geo["head_dim"], intermediate_size or geo["intermediate_size"]
+        if nh % nkv:
+            raise ValueError(f"draft heads {nh} must be a multiple of its kv heads {nkv} (train.draft_num_kv_heads)")
         if not 0 < draft_vocab_size <= int(tcfg.vocab_size):
             raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{tcfg.vocab_size} (target vocab)")
         return cls(
             hidden_size=H,
-            num_heads=nh,
-            num_kv_heads=int(getattr(tcfg, "num_key_value_heads", None) or nh),
+            num_heads=int(nh),
+            num_kv_heads=int(nkv),
             head_dim=int(head_dim),
             intermediate_size=int(inter),
             rms_norm_eps=float(getattr(tcfg, "rms_norm_eps", 1e-6)),
@@ -239,6 +243,23 @@ class DraftSpec:
             norm_before_fc=bool(d.get("norm_before_fc", False)),
             norm_output=bool(d.get("norm_output", False)),
         )
+
+
+def draft_geometry(tcfg: Any) -> dict[str, int]:
+    """The draft layer's heads, kv heads, head dim and MLP width for a target text config. A Llama-style
+    target's own; an MLA target (DeepSeek-V3, Kimi-K2.5: `kv_lora_rank`) has no per-head k/v of its own
+    size (its `head_dim` is the rope part, 64), so the draft takes its value head dim (128) and one kv
+    head per head; a MoE target whose `intermediate_size` is an expert's width (below 2 x hidden:
+    MiniMax-M2, gpt-oss) gets a 4 x hidden MLP."""
+    H, nh = int(tcfg.hidden_size), int(tcfg.num_attention_heads)
+    head_dim = int(getattr(tcfg, "head_dim", None) or H // nh)
+    nkv = int(getattr(tcfg, "num_key_value_heads", None) or nh)
+    if getattr(tcfg, "kv_lora_rank", None):
+        head_dim, nkv = int(getattr(tcfg, "v_head_dim", None) or head_dim), nh
+    inter = int(getattr(tcfg, "intermediate_size", None) or 4 * H)
+    if inter < 2 * H:
+        inter = 4 * H
+    return {"num_heads": nh, "num_kv_heads": nkv, "head_dim": head_dim, "intermediate_size": inter}
 
 
 def _rope_parameters(tcfg: Any) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class HFExtractor(Extractor):
                  compute_dtype: str = "bf16", device: str = "cpu", max_len: int = 2048,
                  batch_tokens: int = 8192, chat_template: str = "", out_dtype: Any = None,
                  out_device: str = "cpu"):
-        from transformers import AutoModelForCausalLM
+        from eyas.target import load_language_model
 
         super().__init__(target, layer_ids, max_len=max_len, chat_template=chat_template, out_dtype=out_dtype)
         if compute_dtype not in DTYPES:
@@ -56,7 +56,7 @@ class HFExtractor(Extractor):
         self.device = torch.device(device)
         self.batch_tokens = batch_tokens
         self.out_device = torch.device(out_device)
-        self.model = AutoModelForCausalLM.from_pretrained(str(self.target), dtype=DTYPES[compute_dtype])
+        self.model = load_language_model(self.target, DTYPES[compute_dtype])  # a multimodal wrapper's LM only
         self.model.to(self.device).eval()
         self.decoder, layers = decoder_layers(self.model)
         assert len(layers) == self.num_layers, (len(layers), self.num_layers)

@@ -38,7 +38,8 @@ import torch
 from eyas.children import scratch_prefix
 from eyas.extract.base import Extractor
 from eyas.host import apply_vllm_env
-from eyas.target import read_tensor, text_config, weight_map
+from eyas.target import language_model_prefix, load_language_model, read_tensor, text_config, weight_map
+from eyas.vllm_fixes import engine_options
 
 CONNECTOR = "EyasHiddenStatesConnector"
 CONNECTOR_MODULE = "eyas.extract.connector"
@@ -63,19 +64,16 @@ def vllm_cpu_unsupported_reason(target: str | os.PathLike) -> str | None:
 
 def load_final_norm(target: str | os.PathLike) -> torch.nn.Module:
     """The target's final norm (HF class, checkpoint weights), fp32, without loading the model."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     from eyas.extract.hf import decoder_layers
 
-    cfg = AutoConfig.from_pretrained(str(target))
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg)
+    model = load_language_model(target, torch.float32, meta=True)
     decoder, _ = decoder_layers(model)
     norm = getattr(decoder, "norm", None)
     if norm is None:
         raise ValueError(f"{target}: the decoder has no final `norm`; cannot derive last_hidden_states from vLLM")
     prefix = next(name for name, mod in model.named_modules() if mod is norm)
     where = weight_map(target)
+    prefix = language_model_prefix(target, where) + prefix  # `language_model.` in a multimodal checkpoint
     state = {}
     for pname, _ in norm.named_parameters():
         key = f"{prefix}.{pname}"
@@ -165,7 +163,7 @@ class VLLMExtractor(Extractor):
                 "kv_role": "kv_producer",
                 "kv_connector_extra_config": {"shared_storage_path": self.store},
             },
-            **llm_kwargs,
+            **{**engine_options(self.target), **llm_kwargs},
         )
         self._params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from eyas.host import apply_vllm_env, engine_dtype
+from eyas.vllm_fixes import engine_options
 
 RETRIES = 5  # tries per request / connection before an endpoint counts as unreachable
 BACKOFF_S = 1.0  # first wait between tries, doubled each time
@@ -64,7 +65,7 @@ class InProcessEngine:
         try:
             self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
                            kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,
-                           max_num_seqs=max_num_seqs, disable_log_stats=True)
+                           max_num_seqs=max_num_seqs, disable_log_stats=True, **engine_options(model))
         except Exception as e:  # noqa: BLE001 - vLLM refuses this model or machine (its log above says why)
             raise self._refused(e) from None
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len

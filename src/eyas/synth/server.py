@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from eyas.host import engine_dtype, vllm_env
+from eyas.vllm_fixes import engine_cli_args
 
 
 def free_port() -> int:
@@ -44,7 +45,7 @@ class VllmServer:
             "--host", self.host, "--port", str(self.port), "--max-model-len", str(max_model_len),
             "--dtype", dtype, "--seed", str(seed), "--kv-cache-memory-bytes", str(int(kv_cache_gib * (1 << 30))),
             *([] if log_stats else ["--disable-log-stats"]), "--disable-uvicorn-access-log",
-            *(["--enforce-eager"] if enforce_eager else []), *extra_args,
+            *(["--enforce-eager"] if enforce_eager else []), *engine_cli_args(self.model), *extra_args,
         ]
         self.env = {**vllm_env(), **(env or {})}
         self.startup_timeout_s = startup_timeout_s

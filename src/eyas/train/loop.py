@@ -220,7 +220,10 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
         model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
         model.load_state_dict(init.state_dict())
     else:
-        spec = DraftSpec.from_target_config(tcfg, layer_ids, vocab.size, fc_norm=cfg.fc_norm)
+        spec = DraftSpec.from_target_config(
+            tcfg, layer_ids, vocab.size, fc_norm=cfg.fc_norm, num_heads=cfg.draft_num_heads,
+            num_kv_heads=cfg.draft_num_kv_heads, head_dim=cfg.draft_head_dim,
+            intermediate_size=cfg.draft_intermediate_size)
         model = Eagle3Draft(spec, freeze_embed=cfg.freeze_embed)
         model.init_weights(embed.float(), seed=cfg.seed)
     if cfg.init_layer == "target":

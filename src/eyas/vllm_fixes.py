@@ -1,0 +1,143 @@
+"""What eyas tells vLLM about a target wherever it builds an engine (synthesis, extraction, serve-eval,
+eval, benches): the options the target's architecture needs, and workarounds for defects of vLLM's
+CPU build, each named with the vLLM version it was seen in and pinned by tests in
+tests/test_targets.py that fail when the defect is gone (drop the workaround) or when the
+workaround stops working.
+
+    engine_options(target)    keywords for `vllm.LLM(...)` (and `engine_cli_args` for `vllm serve`)
+    register()                the `vllm.general_plugins` entry point: runs in every vLLM process
+
+Workarounds (CPU only; GPUs run these architectures natively):
+
+    MLA_ROPE        vLLM 0.32.0 CPU: the `_C.rotary_embedding` kernel treats every head of the 3-D
+                    strided q_pe / k_pe views that MLA attention (DeepSeek-V3, Kimi-K2.5) hands it as a
+                    token, so a default-rope MLA target decodes wrong from its first token. Fix: the
+                    op's native PyTorch path, `compilation_config.custom_ops = ["-rotary_embedding"]`.
+                    (A yarn rope, as the released DeepSeek-V3 / Kimi use, already runs natively.)
+    SIGMOID_ROUTER  vLLM 0.32.0 CPU: `CPURouter._compute_routing` asserts softmax scoring, so
+                    MiniMax-M2 (sigmoid scores + a correction bias, no groups) cannot start. Fix: route
+                    it with vLLM's own CPU `_grouped_topk` over one group, which is the math of
+                    `fused_topk_bias` on GPUs and of transformers' MiniMaxM2TopKRouter. vLLM forces
+                    `spawn` for its CPU workers, so the patch is loaded through vLLM's plugin entry
+                    point (pyproject: `vllm.general_plugins`), in every process vLLM starts.
+
+Options, off unless asked (`run.trust_remote_code`, `run.language_model_only`, which `eyas run`
+and every stage pass on through EYAS_TRUST_REMOTE_CODE / EYAS_LANGUAGE_MODEL_ONLY):
+
+    trust_remote_code      only for a checkpoint whose code is not in transformers / vLLM
+    language_model_only    a multimodal wrapper (Kimi-K2.5) served text-only: vLLM builds no vision
+                           tower and loads none of its weights; eyas sends no images
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+SEEN_IN = "0.32.0"  # the vLLM version the CPU defects below were measured in
+ENV_TRUST = "EYAS_TRUST_REMOTE_CODE"
+ENV_LM_ONLY = "EYAS_LANGUAGE_MODEL_ONLY"
+
+
+def _flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")
+
+
+def set_target_options(trust_remote_code: bool, language_model_only: bool) -> None:
+    """Hand the run's target options to every engine eyas starts, in this process and its children."""
+    os.environ[ENV_TRUST] = "1" if trust_remote_code else "0"
+    os.environ[ENV_LM_ONLY] = "1" if language_model_only else "0"
+
+
+def _config(target: str | os.PathLike) -> dict[str, Any]:
+    try:
+        return json.loads((Path(target) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}  # not a local dir (a hub name vLLM resolves itself): no fixes known
+
+
+def is_multimodal(cfg: dict[str, Any]) -> bool:
+    return "text_config" in cfg and any(k in cfg for k in ("vision_config", "audio_config"))
+
+
+def is_mla(cfg: dict[str, Any]) -> bool:
+    return bool((cfg.get("text_config") or cfg).get("kv_lora_rank"))
+
+
+def fixes_on() -> bool:
+    """`EYAS_VLLM_FIXES=0` turns every workaround off (the tests that show a defect is still there)."""
+    return os.environ.get("EYAS_VLLM_FIXES", "1") != "0"
+
+
+@functools.lru_cache(maxsize=1)
+def on_cpu() -> bool:
+    import torch
+
+    return not (torch.cuda.is_available() or (hasattr(torch, "xpu") and torch.xpu.is_available()))
+
+
+def cpu_workarounds(target: str | os.PathLike, cpu: bool | None = None) -> list[str]:
+    """The names of the workarounds `engine_options` applies for `target` (on vLLM CPU; None: this machine)."""
+    if not fixes_on() or not (on_cpu() if cpu is None else cpu):
+        return []
+    return ["MLA_ROPE"] if is_mla(_config(target)) else []
+
+
+def engine_options(target: str | os.PathLike, cpu: bool | None = None) -> dict[str, Any]:
+    """Keywords for `vllm.LLM(model=target, ...)`: the target options asked for and the CPU workarounds
+    (`cpu`: for vLLM CPU or not; None: this machine)."""
+    cfg = _config(target)
+    kw: dict[str, Any] = {}
+    if _flag(ENV_TRUST):
+        kw["trust_remote_code"] = True
+    if _flag(ENV_LM_ONLY) and is_multimodal(cfg):
+        kw["language_model_only"] = True
+    if "MLA_ROPE" in cpu_workarounds(target, cpu):
+        kw["compilation_config"] = {"custom_ops": ["-rotary_embedding"]}
+    return kw
+
+
+def engine_cli_args(target: str | os.PathLike, cpu: bool | None = None) -> list[str]:
+    """`engine_options` as `vllm serve` / api_server flags."""
+    args: list[str] = []
+    for k, v in engine_options(target, cpu).items():
+        flag = "--" + k.replace("_", "-")
+        args += [flag] if v is True else [flag, json.dumps(v)]
+    return args
+
+
+# ---------------------------------------------------------------- SIGMOID_ROUTER (a vLLM plugin)
+
+def _sigmoid_routing(orig):
+    """CPURouter._compute_routing that routes sigmoid scoring (+ correction bias, one group) with vLLM's
+    own CPU `_grouped_topk` and leaves every other router to `orig`."""
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+
+    def compute_routing(self, hidden_states, router_logits, indices_type, **kw):
+        if (self.scoring_func != "sigmoid" or getattr(self, "use_grouped_topk", False)
+                or getattr(self, "custom_routing_function", None) is not None):
+            return orig(self, hidden_states, router_logits, indices_type, **kw)
+        # router_logits [T, E] -> weights [T, top_k] (float32), ids [T, top_k] (int32)
+        return cpu_router._grouped_topk(router_logits, self.top_k, self.renormalize, 1, 1, "sigmoid",
+                                        self.routed_scaling_factor, self.e_score_correction_bias)
+
+    compute_routing.eyas_fix = "SIGMOID_ROUTER"
+    compute_routing.eyas_original = orig
+    return compute_routing
+
+
+def register() -> None:
+    """vLLM general plugin (runs in the frontend, the engine core and each worker): on CPU, route
+    sigmoid-scored MoE layers. Idempotent; off with `EYAS_VLLM_FIXES=0`."""
+    if not fixes_on() or not on_cpu():
+        return
+    try:
+        from vllm.model_executor.layers.fused_moe.router import cpu_router
+    except ImportError:  # another vLLM layout: nothing to patch
+        return
+    cur = cpu_router.CPURouter._compute_routing
+    if getattr(cur, "eyas_fix", None) != "SIGMOID_ROUTER":
+        cpu_router.CPURouter._compute_routing = _sigmoid_routing(cur)
