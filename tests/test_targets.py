@@ -59,9 +59,10 @@ def tok_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_arch_through_every_stage(arch, tmp_path, embedded_target, monkeypatch):
     """Features from vLLM's running target match HF float32 at the recorded layers (median per-token
-    error < 2%, the neighbouring layers 4x farther), a few TTT steps train on them, the export loads and
-    drafts in vLLM with the target. vLLM CPU runs MoE in bf16; a routing tie flips a token or two, so
-    the median, not the max, is the bar."""
+    error < 5%, the neighbouring layers 4x farther; the MLA rope defect alone made it 35%), a few TTT
+    steps train on them, the export loads and drafts in vLLM with the target. vLLM CPU runs these MoE
+    targets in bf16 and errors grow with depth in a random model (gpt-oss: 0.6% at layer 1, 3% at 3);
+    a routing tie flips a token or two, so the median, not the max, is the bar."""
     from eyas.export import export_checkpoint, verify_draft
     from eyas.extract import extract
     from eyas.features import open_features
@@ -80,10 +81,10 @@ def test_arch_through_every_stage(arch, tmp_path, embedded_target, monkeypatch):
         hs = hf_states(target, s["input_ids"])
         for j, k in enumerate(LAYER_IDS):
             e = tok_err(s["aux_hidden_states"][:, j], hs[k]).median().item()
-            assert e < 0.02, (arch, s["id"], k, e)
+            assert e < 0.05, (arch, s["id"], k, e)
             for kk in (k - 1, k + 1):
                 assert e < 0.25 * tok_err(s["aux_hidden_states"][:, j], hs[kk]).median().item(), (arch, k, kk)
-        assert tok_err(s["last_hidden_states"], hs[-1]).median().item() < 0.03
+        assert tok_err(s["last_hidden_states"], hs[-1]).median().item() < 0.05
 
     run = tmp_path / "train"
     train(TrainConfig(target=str(target), features=str(feats), out=str(run), max_steps=6, ttt_steps=2,

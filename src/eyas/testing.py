@@ -119,6 +119,7 @@ def _save_kimi(cfg, out: Path) -> None:
     save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
     d = cfg.to_dict()
     d["architectures"] = ["KimiK25ForConditionalGeneration"]
+    d["media_placeholder_token_id"] = d["image_token_id"]  # the released config's name (vLLM's EAGLE-3 reads it)
     (out / "config.json").write_text(json.dumps(d, indent=2))
     (out / "preprocessor_config.json").write_text(json.dumps({"media_proc_cfg": KIMI_MEDIA}, indent=2))
 
