@@ -161,6 +161,20 @@ def test_train_killed_at_random_points(tmp_path, train_ref, seed):
     assert debris(out) == []
 
 
+def test_train_killed_writing_latest(tmp_path, train_ref):
+    """Killed inside the atomic write of `latest` right after step_8 is renamed in (its temp file
+    written, not renamed): the re-run removes the killed write's temp file and `latest` names step_8
+    (the random suite found the temp file left behind)."""
+    cmd, ref, points = train_ref
+    last = max(i for i, p in enumerate(points) if p == "checkpoint.renamed")
+    n = points[: last + 1].count("write.before_rename") + 1  # the next atomic write: `latest`
+    out = tmp_path / "run"
+    kill = f"write.before_rename:{n}"
+    assert killed_until_done(cmd(out), [kill]) == [kill]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_8"
+    assert _steps(out) == _steps(ref) and debris(out) == []
+
+
 def test_train_resaves_a_checkpoint_whole(tmp_path, train_ref):
     """Killed with step_4 renamed in but `latest` still on step_2: the re-run resumes from step_2 and
     saves step_4 again, swapping the old dir out before removing it; a user's file beside it stays."""

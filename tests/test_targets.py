@@ -165,3 +165,33 @@ def test_sigmoid_router_defect_and_workaround():
     a, b = ids.long().sort(-1), want_ids.sort(-1)
     assert torch.equal(a.values, b.values)
     torch.testing.assert_close(w.gather(1, a.indices), want_w.detach().gather(1, b.indices))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fixes", ["1", "0"])
+def test_gpt_oss_quark_mxfp4_experts_in_vllm(tmp_path, embedded_target, monkeypatch, fixes):
+    """GPTOSS_QUARK_SWIGLU: a gpt-oss with Quark MXFP4 experts (eyas quantize, layers=experts), served by
+    vLLM CPU's MXFP4 MoE kernel, gives the features of its dequantized copy in HF float32 (the packed bytes
+    are right) with eyas's plugin, and ~100% off without it (the defect: if this half fails, vLLM passes
+    gpt-oss's swiglu constants itself and the workaround can go). vLLM CPU runs MXFP4 MoE on AMX only."""
+    from eyas.config import QuantizeConfig
+    from eyas.extract import make_extractor
+    from eyas.host import machine
+    from eyas.quant.quantize import quantize_model
+
+    if "amx_bf16" not in machine()["isa"]:
+        pytest.skip("vLLM CPU's MXFP4 MoE kernel needs AMX; this machine has none")
+    src = make_tiny_target(tmp_path / "src", embedded_target, arch="gpt_oss", hidden=128)
+    q = tmp_path / "q"
+    quantize_model(QuantizeConfig(model=str(src), out=str(q), layers="experts", emulate=True), log=lambda m: None)
+    monkeypatch.setenv("EYAS_VLLM_FIXES", fixes)  # read by the plugin in vLLM's own processes
+    with make_extractor(q, "vllm", layer_ids=LAYER_IDS, max_len=512, compute_dtype="bf16", kv_cache_gib=1) as ex:
+        out = ex.extract(CONVS)
+    errs = []
+    for s in out:
+        hs = hf_states(q / "emulated", s["input_ids"])
+        errs += [tok_err(s["aux_hidden_states"][:, j], hs[k]).median().item() for j, k in enumerate(LAYER_IDS)]
+    if fixes == "1":
+        assert max(errs) < 0.05, errs
+    else:
+        assert max(errs) > 0.3, f"vLLM runs Quark MXFP4 gpt-oss experts right now: drop GPTOSS_QUARK_SWIGLU {errs}"

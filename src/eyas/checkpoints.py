@@ -93,6 +93,18 @@ def mark_latest(run_dir: str | os.PathLike, ckpt: Path) -> None:
     atomic_write_text(checkpoints_dir(run_dir) / LATEST, ckpt.name + "\n")
 
 
+def repair_latest(run_dir: str | os.PathLike, ckpt: Path) -> None:
+    """After a kill: `latest` names `ckpt`, the checkpoint a run resumes from (a kill between a
+    checkpoint's rename and its `latest` write left `latest` on the one before, or absent), and no
+    temp file of a killed `latest` / `best` write is left beside it."""
+    ck = checkpoints_dir(run_dir)
+    for p in [*ck.glob(f".{LATEST}.tmp.*"), *ck.glob(f".{BEST}.tmp.*")]:
+        p.unlink(missing_ok=True)
+    p = ck / LATEST
+    if not (p.is_file() and p.read_text().strip() == ckpt.name):
+        mark_latest(run_dir, ckpt)
+
+
 def resolve_checkpoint(run_dir: str | os.PathLike, which: str) -> Path:
     """RUN/checkpoints/{best,latest,step_N,N}: a dir, a symlink, or a file holding a dir name."""
     ck = checkpoints_dir(run_dir)

@@ -20,6 +20,12 @@ Workarounds (CPU only; GPUs run these architectures natively):
                     `fused_topk_bias` on GPUs and of transformers' MiniMaxM2TopKRouter. vLLM forces
                     `spawn` for its CPU workers, so the patch is loaded through vLLM's plugin entry
                     point (pyproject: `vllm.general_plugins`), in every process vLLM starts.
+    GPTOSS_QUARK_SWIGLU  vLLM 0.32.0 CPU: gpt-oss's experts layer is built without its swiglu alpha /
+                    limit, and the Quark OCP-MX MoE method passes those Nones to the CPU MXFP4 kernel,
+                    which then runs plain SiLU on split halves instead of gpt-oss's clamped, interleaved
+                    activation: a Quark MXFP4 gpt-oss decodes wrong (its features ~100% off the
+                    dequantized copy's). Fix (the same plugin): the method fills in gpt-oss's constants
+                    (alpha 1.702, beta 1.0, limit 7.0, what vLLM's own gpt-oss MXFP4 method hardcodes).
 
 Options, off unless asked (`run.trust_remote_code`, `run.language_model_only`, which `eyas run`
 and every stage pass on through EYAS_TRUST_REMOTE_CODE / EYAS_LANGUAGE_MODEL_ONLY):
@@ -129,15 +135,39 @@ def _sigmoid_routing(orig):
     return compute_routing
 
 
+GPTOSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_beta": 1.0, "swiglu_limit": 7.0}
+
+
+def _quark_swiglu(orig):
+    """QuarkOCP_MX_MoEMethod.get_fused_moe_quant_config that gives a swigluoai (gpt-oss) layer without
+    its constants gpt-oss's before building the kernel's config."""
+
+    def get_fused_moe_quant_config(self, layer):
+        act = getattr(layer, "activation", None)
+        if str(getattr(act, "value", act)) == "swigluoai" and getattr(layer, "swiglu_alpha", None) is None:
+            for k, v in GPTOSS_SWIGLU.items():
+                setattr(layer, k, v)
+        return orig(self, layer)
+
+    get_fused_moe_quant_config.eyas_fix = "GPTOSS_QUARK_SWIGLU"
+    get_fused_moe_quant_config.eyas_original = orig
+    return get_fused_moe_quant_config
+
+
 def register() -> None:
     """vLLM general plugin (runs in the frontend, the engine core and each worker): on CPU, route
-    sigmoid-scored MoE layers. Idempotent; off with `EYAS_VLLM_FIXES=0`."""
+    sigmoid-scored MoE layers and give Quark MXFP4 gpt-oss experts their activation constants.
+    Idempotent; off with `EYAS_VLLM_FIXES=0`."""
     if not fixes_on() or not on_cpu():
         return
     try:
         from vllm.model_executor.layers.fused_moe.router import cpu_router
+        from vllm.model_executor.layers.quantization.quark import quark_moe
     except ImportError:  # another vLLM layout: nothing to patch
         return
     cur = cpu_router.CPURouter._compute_routing
     if getattr(cur, "eyas_fix", None) != "SIGMOID_ROUTER":
         cpu_router.CPURouter._compute_routing = _sigmoid_routing(cur)
+    cls = quark_moe.QuarkOCP_MX_MoEMethod
+    if getattr(cls.get_fused_moe_quant_config, "eyas_fix", None) != "GPTOSS_QUARK_SWIGLU":
+        cls.get_fused_moe_quant_config = _quark_swiglu(cls.get_fused_moe_quant_config)

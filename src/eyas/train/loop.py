@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from eyas.acceptance import summarize as summarize_acceptance
-from eyas.checkpoints import checkpoint_step, latest_checkpoint
+from eyas.checkpoints import checkpoint_step, latest_checkpoint, repair_latest
 from eyas.config import TrainConfig, check_bounds, check_choices
 from eyas.draft.exported import load_warm_start
 from eyas.draft.model import Eagle3Draft
@@ -324,6 +324,8 @@ class Trainer:
         self.unmeasured = False  # the checkpoint resumed from was due for the callback and has no record
         self.data_id = data_identity(cfg)
         self.ckpt, step = resume_point(cfg, self.data_id)
+        if self.ckpt is not None and d.rank == 0:
+            repair_latest(self.run_dir, self.ckpt)
         if self.ckpt is not None:
             self.unmeasured = self._unmeasured(step)
             if step >= cfg.max_steps and not self.unmeasured:
