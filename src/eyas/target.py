@@ -200,14 +200,17 @@ def language_model_prefix(target: str | os.PathLike, where: dict[str, str] | Non
 
 
 def load_language_model(target: str | os.PathLike, dtype: Any, *, meta: bool = False,
-                        trust_remote_code: bool = False) -> Any:
+                        trust_remote_code: bool | None = None) -> Any:
     """The target's causal LM in `dtype` (transformers' class). A multimodal wrapper (a config with
     `text_config`) yields its language model alone: the text config's class, loaded by transformers
     from the checkpoint's language-model tensors (their prefix stripped; the vision tower is not built).
-    `meta`: no weights (shapes and modules only)."""
+    `meta`: no weights (shapes and modules only). `trust_remote_code`: None takes the run's option."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from eyas.vllm_fixes import trust_remote_code as run_trusts
+
+    trust_remote_code = run_trusts() if trust_remote_code is None else trust_remote_code
     d = Path(target)
     cfg = AutoConfig.from_pretrained(str(d), trust_remote_code=trust_remote_code)
     tcfg = text_config(cfg)

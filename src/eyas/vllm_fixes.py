@@ -58,6 +58,11 @@ def set_target_options(trust_remote_code: bool, language_model_only: bool) -> No
     os.environ[ENV_LM_ONLY] = "1" if language_model_only else "0"
 
 
+def trust_remote_code() -> bool:
+    """The run's `run.trust_remote_code` (False unless asked), for the HF loaders too."""
+    return _flag(ENV_TRUST)
+
+
 def _config(target: str | os.PathLike) -> dict[str, Any]:
     try:
         return json.loads((Path(target) / "config.json").read_text())
@@ -97,7 +102,7 @@ def engine_options(target: str | os.PathLike, cpu: bool | None = None) -> dict[s
     (`cpu`: for vLLM CPU or not; None: this machine)."""
     cfg = _config(target)
     kw: dict[str, Any] = {}
-    if _flag(ENV_TRUST):
+    if trust_remote_code():
         kw["trust_remote_code"] = True
     if _flag(ENV_LM_ONLY) and is_multimodal(cfg):
         kw["language_model_only"] = True
