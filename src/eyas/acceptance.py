@@ -89,6 +89,15 @@ def tokens_per_step(generated: int, counters: dict[str, Any]) -> float | None:
     return generated / steps if generated and steps > 0 else None
 
 
+def tokens_per_decode_step(generated: int, n_requests: int, counters: dict[str, Any]) -> float | None:
+    """Tokens per target decode step: (generated - one prefill token per request) / decode forward passes,
+    every pass counted (a pass emits 1 + its accepted tokens). Plain decoding = 1.0 exactly; this is the
+    figure that compares methods whose proposers skip steps (n-gram lookup proposes only on a match)."""
+    decoded = generated - n_requests
+    steps = decoded - int(counters.get("num_accepted_tokens", 0))
+    return decoded / steps if decoded > 0 and steps > 0 else None
+
+
 def counters_from_prometheus(text: str) -> dict[str, Any]:
     """Spec-decode counters from a server's `/metrics` text (summed over label sets)."""
     out: dict[str, Any] = {}
@@ -171,6 +180,7 @@ def measure_acceptance(
             "n": b["n"],
             "generated_tokens": b["generated_tokens"],
             "tokens_per_step": tokens_per_step(b["generated_tokens"], c),
+            "tokens_per_decode_step": tokens_per_decode_step(b["generated_tokens"], b["n"], c),
             "seconds": b["seconds"],
             "tokens_per_s": b["generated_tokens"] / b["seconds"] if b["seconds"] else None,
             **summarize(c, kk),
@@ -191,6 +201,7 @@ def measure_acceptance(
         "max_tokens": max_tokens,
         "generated_tokens": gen,
         "tokens_per_step": tokens_per_step(gen, total),
+        "tokens_per_decode_step": tokens_per_decode_step(gen, sum(b["n"] for b in res["batches"]), total),
         "decode_seconds": secs,
         "tokens_per_s": gen / secs if secs else None,
         "load_seconds": res["load_seconds"],

@@ -198,10 +198,20 @@ class BenchConfig:
     what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated", "levers",
                   "curve"] = "al"
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
-    context_buckets: list[int] = field(default_factory=lambda: [512, 2048, 6144])  # prompt tokens
-    per_bucket: int = 4
-    max_tokens: int = 128
-    limit: int = 16  # prompts per domain
+    context_buckets: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])  # `bench al`: prompt tokens
+    per_bucket: int = 8
+    max_tokens: int = 256
+    limit: int = 16  # prompts per domain (throughput, drift, threads on the recipe's eval split)
+    per_category: int = 40  # `bench al`: prompts per suite category (eyas.bench.suite)
+    categories: list[str] = field(default_factory=list)  # `bench al`: suite categories (default: all)
+    exclude: list[str] = field(default_factory=list)  # training splits no suite prompt may be in (default: RUN/data/train.jsonl beside --draft, else the recipe's mix)
+    baselines: list[str] = field(default_factory=lambda: ["ngram"])  # no-training proposers measured beside the draft
+    sweep_k: bool = False  # `bench throughput`: every k of k_values at every sweep_concurrency
+    k_values: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
+    sweep_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])
+    repeats: int = 2  # `bench throughput`: readings of every server at every concurrency (order rotates)
+    input_len: int = 0  # `bench throughput`: 0 = suite prompts; N = pydoc prompts of N tokens (1024 = the seed's 1K/1K)
+    seed: int = 0
     levers: list[str] = field(default_factory=list)  # `bench levers` rows: "NAME: section.key=value, ..."
     curve_samples: list[int] = field(default_factory=lambda: [60, 120, 240, 0])  # `bench curve`: train.max_samples
     curve_steps: list[int] = field(default_factory=list)  # `bench curve`: train.max_steps per point (default: train's)
@@ -355,7 +365,8 @@ POSITIVE = {"run.nproc", "synth.max_tokens", "synth.concurrency", "synth.max_mod
             "train.max_steps", "train.ttt_steps", "train.position_decay", "train.draft_vocab_size", "train.lr",
             "train.grad_clip", "train.grad_accum", "train.token_budget",
             "eval.k", "eval.max_tokens", "eval.max_model_len", "eval.kv_cache_gib", "eval.timeout",
-            "bench.concurrency", "bench.context_buckets", "bench.per_bucket", "bench.max_tokens"}
+            "bench.concurrency", "bench.context_buckets", "bench.per_bucket", "bench.max_tokens",
+            "bench.per_category", "bench.k_values", "bench.sweep_concurrency", "bench.repeats"}
 FRACTIONS = {"data.eval_fraction", "synth.top_p", "train.position_decay", "train.min_lr_ratio", "train.hard_label",
              "train.min_target_prob"}
 

@@ -178,7 +178,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
             report["throughput"] = _once(
                 out / "throughput.json", {**measured, "bench": to_dict(b), "k": cfg.eval.k},
                 lambda: bench_throughput(serve_target, draft, prompts, b.concurrency, b.max_tokens, cfg.eval.k,
-                                         out=out / "throughput.json"), pick="rows")
+                                         out=out / "throughput.json", baselines=tuple(b.baselines)), pick="rows")
 
     from eyas.serve_eval import read_records
 

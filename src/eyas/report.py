@@ -92,6 +92,23 @@ def plot_learning_curve(points: list[tuple[int, float]], fit: tuple[float, float
     return _save(fig, ax, out, "generated tokens trained on", "acceptance length", "Learning curve")
 
 
+def plot_suite(res: dict[str, Any], out: Path) -> Path:
+    """Tokens per decode step (bars) of every method per suite category and input-length bucket."""
+    plt = _plt()
+    names = list(res["categories"]) + list(res["buckets"])
+    methods = list(res["methods"])
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.6 * len(names) * max(1, len(methods))), 3.6))
+    w = 0.8 / max(1, len(methods))
+    for i, m in enumerate(methods):
+        doms = res["methods"][m]["domains"]
+        ys = [(doms.get(n) or {}).get("tokens_per_decode_step") or 0.0 for n in names]
+        ax.bar([j + i * w for j in range(len(names))], ys, w, label=m)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set_xticks([j + w * (len(methods) - 1) / 2 for j in range(len(names))])
+    ax.set_xticklabels(names, rotation=35, ha="right")
+    return _save(fig, ax, out, "", "tokens per decode step", f"Acceptance suite (k={res['k']})")
+
+
 def _num(x: Any) -> str:
     return "-" if x is None else f"{x:.3f}"
 

@@ -52,6 +52,77 @@ def _conversations(cfg: Recipe) -> list[list[dict]]:
     return [r["messages"] for r in domain_prompts(_prompts(cfg), cfg.bench.limit)]
 
 
+def _exclude(cfg: Recipe) -> list[Path]:
+    """bench.exclude, else the training split beside the draft's run (RUN/data/train.jsonl), else the recipe's mix."""
+    b = cfg.bench
+    if b.exclude:
+        return [Path(p) for p in b.exclude if p]
+    beside = Path(b.draft).parent / "data" / "train.jsonl"
+    if beside.exists():
+        return [beside]
+    d = cfg.data
+    return [build_mix(d.sources, d.max_per_source, d.seed, d.out or data_root() / "mix", d.eval_fraction)["train"]]
+
+
+def _suite(cfg: Recipe, target: Path, max_model_len: int = 0) -> tuple[list[dict], dict]:
+    """The acceptance suite's category prompts (eyas.bench.suite), none in `_exclude(cfg)`."""
+    from eyas.bench.suite import CATEGORIES, build_suite
+    from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
+
+    b = cfg.bench
+    tok = load_tokenizer(target)
+    tpl = load_chat_template(target, tok=tok)
+    limit = max_model_len or 2048
+    rows, info = build_suite(b.per_category, _exclude(cfg), b.seed, tuple(b.categories or CATEGORIES),
+                             too_long=lambda r: len(render_prompt_ids(tok, r["messages"], tpl)) + b.max_tokens > limit)
+    print(f"bench: suite of {len(rows)} prompts {info['per_category']}; training prompts dropped "
+          f"{info['excluded']} (checked against {', '.join(info['exclude_files'])})", flush=True)
+    if info["short"]:
+        print(f"bench: warning: categories below {b.per_category} prompts: {info['short']}", flush=True)
+    return rows, info
+
+
+def _bench_al(cfg: Recipe, target: Path) -> dict:
+    from eyas.bench.acceptance import bench_acceptance, bucket_prompts, suite_summary, write_suite
+
+    b = cfg.bench
+    buckets, max_len = bucket_prompts(target, b.context_buckets, b.per_bucket, b.max_tokens, b.seed) \
+        if b.context_buckets else ([], 2048)
+    rows, info = _suite(cfg, target, max_len)
+    cats = list(dict.fromkeys(r["domain"] for r in rows))
+    labels = list(dict.fromkeys(r["domain"] for r in buckets))
+    methods = {"draft": b.draft} if b.draft.lower() != "none" else {}
+    methods.update({m: m for m in b.baselines})
+    out = Path(b.out) if b.out else None
+    if out:
+        write_suite(rows + buckets, out / "suite.jsonl")
+    res = bench_acceptance(target, methods, rows + buckets, cats, labels, cfg.eval.k, b.max_tokens, max_len, out)
+    return {**res, "suite": suite_summary(info, rows + buckets)}
+
+
+def _bench_throughput(cfg: Recipe, target: Path) -> dict:
+    from eyas.bench.throughput import bench_sweep
+
+    b = cfg.bench
+    if b.input_len:  # the seed's shape: real text of input_len tokens, fixed output length
+        from eyas.data import long_context_prompts
+
+        prompts = [r["messages"] for r in long_context_prompts(str(target), [b.input_len], 16, seed=b.seed)]
+    else:
+        prompts = [r["messages"] for r in _suite(cfg, target)[0]]
+        import random
+
+        random.Random(b.seed).shuffle(prompts)
+    ks, conc = (b.k_values, b.sweep_concurrency) if b.sweep_k else ([cfg.eval.k], b.concurrency)
+    draft = None if b.draft.lower() == "none" else Path(b.draft)
+    res = bench_sweep(target, draft, prompts, conc, ks, b.baselines, b.max_tokens, b.repeats,
+                      max_model_len=max(2048, b.input_len + b.max_tokens + 64))
+    if b.out:
+        Path(b.out).mkdir(parents=True, exist_ok=True)
+        (Path(b.out) / "bench_throughput.md").write_text(res["table"] + "\n")
+    return res
+
+
 def cli(cfg: Recipe, actions: list[str]) -> int:
     """`eyas bench WHAT`: the bench section, plus the sections of the stage a bench measures."""
     what = actions[0] if actions else cfg.bench.what
@@ -63,15 +134,9 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
     if what in ("al", "throughput", "simulated") and not b.draft:
         raise ValueError(f"eyas bench {what} needs --draft DIR (an exported draft, e.g. RUNDIR/draft)")
     if what == "al":
-        from eyas.bench.acceptance import bench_acceptance
-
-        res = bench_acceptance(target, Path(b.draft), _prompts(cfg), b.context_buckets, b.per_bucket, b.limit,
-                               cfg.eval.k, b.max_tokens)
+        res = _bench_al(cfg, target)
     elif what == "throughput":
-        from eyas.bench.throughput import bench_throughput
-
-        res = bench_throughput(target, Path(b.draft), _conversations(cfg), b.concurrency, b.max_tokens, cfg.eval.k)
-        print(json.dumps(res, indent=2))
+        res = _bench_throughput(cfg, target)
     elif what == "extract":
         from eyas.bench.extract import run_bench
         from eyas.extract.base import resolve_lengths
