@@ -90,3 +90,23 @@ def test_sweep_divides_by_the_baseline_of_its_own_repeat_and_recommends():
     assert rec[1] == {"concurrency": 8, "method": "none", "k": 0, "speedup": 1.0, "speculative_config": None}
     table = T.format_tables(rows, rec)
     assert "(no speculation)" in table and '"method": "eagle3"' in table
+
+
+@pytest.mark.slow
+def test_sweep_against_real_servers(vllm_target):
+    """Baseline and n-gram servers up side by side, two k rounds, two repeats: every reading recorded,
+    counters scraped (tokens per decode step >= 1, plain decoding exactly 1), rows and a recommendation."""
+    prompts = [[{"role": "user", "content": f"Repeat after me: {w} {w} {w} {w}"}] for w in ("apple", "river", "stone")]
+    res = T.bench_sweep(vllm_target, None, prompts, [1, 2], [1, 2], ["ngram"], max_tokens=16, repeats=2,
+                        kv_cache_gib=1)
+    assert len(res["runs"]) == 2 * 2 * 2 * 2  # k rounds x repeats x concurrency x (baseline, ngram)
+    assert [r["method"] for r in res["runs"][:4]] == ["baseline", "ngram@k1", "baseline", "ngram@k1"]
+    assert [r["method"] for r in res["runs"][4:6]] == ["ngram@k1", "baseline"]  # repeat 1: order rotated
+    for r in res["runs"]:
+        assert r["completed"] == max(2 * r["concurrency"], 4) and r["generated"] >= 16 * r["completed"]
+        if r["method"] == "baseline":
+            assert r["num_drafts"] == 0 and r["tokens_per_decode_step"] == pytest.approx(1.0)
+        else:
+            assert r["tokens_per_decode_step"] >= 1.0
+    assert {(r["method"], r["k"], r["concurrency"]) for r in res["rows"]} == {("ngram", k, c) for k in (1, 2) for c in (1, 2)}
+    assert [r["concurrency"] for r in res["recommended"]] == [1, 2]
