@@ -20,6 +20,7 @@ stored under "machine" in `bench_<what>.json`.
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 
 from eyas.config import BenchConfig, Recipe, choices
@@ -110,8 +111,6 @@ def _bench_throughput(cfg: Recipe, target: Path) -> dict:
         prompts = [r["messages"] for r in long_context_prompts(str(target), [b.input_len], 16, seed=b.seed)]
     else:
         prompts = [r["messages"] for r in _suite(cfg, target)[0]]
-        import random
-
         random.Random(b.seed).shuffle(prompts)
     ks, conc = (b.k_values, b.sweep_concurrency) if b.sweep_k else ([cfg.eval.k], b.concurrency)
     draft = None if b.draft.lower() == "none" else Path(b.draft)
