@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import re
-import sys
 from pathlib import Path
 from random import Random
 from typing import Any, Callable
@@ -107,20 +106,11 @@ def _wheel(name: str) -> Path:
 
 
 def _reasoning(n: int, seed: int) -> list[dict[str, Any]]:
-    """`n` problems from each logic generator (a subprocess: reasoning-gym's wheel is read, not installed)."""
-    import subprocess
-    import tempfile
-    import zipfile
+    """`n` problems from each logic generator."""
+    from eyas.data.sources import run_reasoning_gym
 
-    with tempfile.TemporaryDirectory() as tmp:
-        with zipfile.ZipFile(_wheel("gsm")) as z:
-            z.extractall(tmp, [m for m in z.namelist() if m.startswith("reasoning_gym/")])
-        cmd = [sys.executable, "-m", "eyas.data.gsm_gen", tmp, str(n), str(seed), *REASONING_GENERATORS]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ValueError(f"acceptance suite: the reasoning-gym logic generators failed:\n{proc.stderr.strip()[-1500:]}")
     out = []
-    for line in proc.stdout.splitlines():
+    for line in run_reasoning_gym(_wheel("gsm"), n, seed, REASONING_GENERATORS):
         ex = json.loads(line)
         msgs = [{"role": "user", "content": ex["question"].strip()}]
         out.append(make_record("reasoning", "reasoning", msgs, {"generator": ex["generator"]}))

@@ -102,19 +102,26 @@ def read_sharegpt(wheel: Path, n: int, seed: int, counts: Counts) -> list[dict]:
 
 # ---- gsm (reasoning-gym) ----------------------------------------------------------------
 
+def run_reasoning_gym(wheel: Path, n: int, seed: int, modules: tuple[str, ...] = ()) -> list[str]:
+    """JSON lines of `eyas.data.gsm_gen` (n problems per reasoning-gym module; none = GSM-symbolic), run in
+    a subprocess on the wheel's extracted `reasoning_gym/` (read, not installed)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(tmp, [m for m in z.namelist() if m.startswith("reasoning_gym/")])
+        cmd = [sys.executable, "-m", "eyas.data.gsm_gen", tmp, str(n), str(seed), *modules]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        what = ", ".join(modules) or "gsm_symbolic"
+        raise ValueError(f"reasoning-gym ({what}, {wheel.name}) failed:\n{proc.stderr.strip()[-1500:]}")
+    return proc.stdout.splitlines()
+
+
 def read_gsm(wheel: Path, n: int, seed: int, counts: Counts) -> list[dict]:
     """Seeded GSM-style problems from reasoning-gym's gsm_symbolic generators (user-only prompts)."""
     n = n or GSM_ALL
     total = n + n // 10 + 16  # a little slack: templates can repeat a question
-    with tempfile.TemporaryDirectory() as tmp:
-        with zipfile.ZipFile(wheel) as z:
-            z.extractall(tmp, [m for m in z.namelist() if m.startswith("reasoning_gym/")])
-        cmd = [sys.executable, "-m", "eyas.data.gsm_gen", tmp, str(total), str(seed)]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise ValueError(f"data source 'gsm': the reasoning-gym generator failed:\n{proc.stderr.strip()[-1500:]}")
     out = []
-    for line in proc.stdout.splitlines():
+    for line in run_reasoning_gym(wheel, total, seed):
         try:
             ex = json.loads(line)
             q = ex["question"]
