@@ -175,6 +175,23 @@ def test_train_killed_writing_latest(tmp_path, train_ref):
     assert _steps(out) == _steps(ref) and debris(out) == []
 
 
+def test_train_killed_writing_the_last_file(tmp_path, train_ref):
+    """Killed inside the run's last atomic write (the manifest that marks it complete, after step_8):
+    the re-run removes the temp file, marks the run complete and trains nothing again (it used to
+    see step_8 = max_steps and stop with the manifest left incomplete)."""
+    cmd, ref, points = train_ref
+    out = tmp_path / "run"
+    res = run(cmd(out), EYAS_FAILPOINTS=f"write.before_rename:{points.count('write.before_rename')}")
+    assert res.returncode == -9, res.stderr[-3000:]
+    assert [p.split(".tmp.")[0] for p in debris(out)] == [".manifest.json"]
+    assert not json.loads((out / "manifest.json").read_text())["complete"]
+    res = run(cmd(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["complete"] and (out / "checkpoints" / "latest").read_text().strip() == "step_8"
+    assert _steps(out) == _steps(ref) and debris(out) == []
+
+
 def test_train_resaves_a_checkpoint_whole(tmp_path, train_ref):
     """Killed with step_4 renamed in but `latest` still on step_2: the re-run resumes from step_2 and
     saves step_4 again, swapping the old dir out before removing it; a user's file beside it stays."""

@@ -14,7 +14,7 @@ import torch
 
 from eyas.config import ExtractConfig, TrainConfig
 from eyas.testing import make_tiny_target
-from eyas.vllm_fixes import ENV_LM_ONLY, engine_options
+from eyas.vllm_fixes import ENV_LM_ONLY, DraftNotServable, draft_limit, engine_options
 
 ARCHS = ["qwen3", "gpt_oss", "deepseek_v3", "minimax_m2", "kimi_k25"]  # llama, qwen3_moe: tests/test_extract.py
 CONVS = [
@@ -60,7 +60,8 @@ def tok_err(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_arch_through_every_stage(arch, tmp_path, embedded_target, monkeypatch):
     """Features from vLLM's running target match HF float32 at the recorded layers (median per-token
     error < 5%, the neighbouring layers 4x farther; the MLA rope defect alone made it 35%), a few TTT
-    steps train on them, the export loads and drafts in vLLM with the target. vLLM CPU runs these MoE
+    steps train on them, the export loads and drafts in vLLM with the target (an MLA target on a CPU
+    without AMX: eyas refuses with MLA_DRAFT_BLOCKS, and vLLM left to try still fails). vLLM CPU runs these MoE
     targets in bf16 and errors grow with depth in a random model (gpt-oss: 0.6% at layer 1, 3% at 3);
     a routing tie flips a token or two, so the median, not the max, is the bar."""
     from eyas.export import export_checkpoint, verify_draft
@@ -93,6 +94,13 @@ def test_arch_through_every_stage(arch, tmp_path, embedded_target, monkeypatch):
     draft = export_checkpoint(run / "checkpoints/step_6", tmp_path / "draft", str(target), k=2)
     cfg = json.loads((draft / "config.json").read_text())
     assert cfg["eagle_aux_hidden_state_layer_ids"] == LAYER_IDS
+    if draft_limit(target):  # an MLA target on a CPU without AMX: eyas says so before vLLM starts
+        with pytest.raises(DraftNotServable, match="MLA_DRAFT_BLOCKS"):
+            verify_draft(draft, target, k=2)
+        monkeypatch.setenv("EYAS_VLLM_FIXES", "0")  # let vLLM try: if this passes, drop MLA_DRAFT_BLOCKS
+        with pytest.raises(RuntimeError, match="No common block size"):
+            verify_draft(draft, target, k=2)
+        return
     rep = verify_draft(draft, target, k=2)
     assert rep["num_drafts"] > 0 and 1.0 <= rep["acceptance_length"] <= 3.0, rep
 

@@ -54,6 +54,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         raise
 
 
+def remove_temp_files(d: str | os.PathLike) -> list[str]:
+    """Remove the temp files killed atomic writes left directly in `d` (`.NAME.tmp.PID`); their names.
+    Only for a dir no other process is writing (a run being resumed)."""
+    gone = []
+    for p in Path(d).glob(".*.tmp.*"):
+        if p.is_file():
+            p.unlink(missing_ok=True)
+            gone.append(p.name)
+    return gone
+
+
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` so that a kill leaves either the old file or the new one."""
     with atomic_path(path) as tmp:

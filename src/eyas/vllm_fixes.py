@@ -27,6 +27,16 @@ Workarounds (CPU only; GPUs run these architectures natively):
                     dequantized copy's). Fix (the same plugin): the method fills in gpt-oss's constants
                     (alpha 1.702, beta 1.0, limit 7.0, what vLLM's own gpt-oss MXFP4 method hardcodes).
 
+A limit with no workaround (eyas stops with `DraftNotServable` before vLLM starts; EYAS_VLLM_FIXES=0
+lets vLLM try, which is how tests/test_targets.py shows the limit is still there):
+
+    MLA_DRAFT_BLOCKS  vLLM 0.32.0 CPU without AMX (AMD EPYC, ARM): an MLA target's attention runs
+                    CPU_MLA, whose decode kernel takes 16-token KV blocks only, and the EAGLE-3 draft's
+                    attention runs CPU_ATTN, which takes multiples of 32; target and draft share one KV
+                    cache group, so the engine cannot start ("No common block size for 16 (CPU_MLA:
+                    [16]; CPU_ATTN: [MultipleOf(32)])"). With AMX, MLA runs AMX_MLA (multiples of 32)
+                    and the draft serves. Extraction, training, export and n-gram speculation run anywhere.
+
 Options, off unless asked (`run.trust_remote_code`, `run.language_model_only`, which `eyas run`
 and every stage pass on through EYAS_TRUST_REMOTE_CODE / EYAS_LANGUAGE_MODEL_ONLY):
 
@@ -95,6 +105,34 @@ def cpu_workarounds(target: str | os.PathLike, cpu: bool | None = None) -> list[
     if not fixes_on() or not (on_cpu() if cpu is None else cpu):
         return []
     return ["MLA_ROPE"] if is_mla(_config(target)) else []
+
+
+class DraftNotServable(RuntimeError):
+    """vLLM on this machine cannot serve an EAGLE-3 draft with this target (a named limit above)."""
+
+
+def draft_limit(target: str | os.PathLike, cpu: bool | None = None) -> str | None:
+    """Why vLLM here cannot serve an EAGLE-3 draft beside `target` (None: it can)."""
+    if not fixes_on() or not (on_cpu() if cpu is None else cpu) or not is_mla(_config(target)):
+        return None
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():  # vLLM's own test for AMX_MLA (platforms/cpu.py)
+        return None
+    return (f"MLA_DRAFT_BLOCKS: vLLM CPU cannot serve an EAGLE-3 draft beside the MLA target {target} on a "
+            "CPU without AMX (its MLA kernel takes 16-token KV blocks, the draft's attention multiples of 32). "
+            "Serve it on a GPU or an AMX CPU (Intel Sapphire Rapids or later), or measure the n-gram "
+            "baseline (draft=ngram) here; extraction, training and export run on this machine.")
+
+
+def check_draft_servable(target: str | os.PathLike, draft: str | os.PathLike | None) -> None:
+    """Raise DraftNotServable before vLLM starts when `draft` (an EAGLE-3 directory; None or `ngram...`
+    is always servable) cannot be served beside `target` here."""
+    if draft is None or str(draft) == "ngram" or str(draft).startswith("ngram:"):
+        return
+    why = draft_limit(target)
+    if why:
+        raise DraftNotServable(why)
 
 
 def engine_options(target: str | os.PathLike, cpu: bool | None = None) -> dict[str, Any]:

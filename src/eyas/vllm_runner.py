@@ -29,7 +29,7 @@ from typing import Any
 from eyas.children import scratch_prefix
 from eyas.host import engine_dtype, vllm_env
 from eyas.io import atomic_write_text
-from eyas.vllm_fixes import engine_options
+from eyas.vllm_fixes import check_draft_servable, engine_options
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -168,6 +168,7 @@ def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike
     The engine's log goes to `log_path` (a temp file when None); a failure raises
     RuntimeError carrying the log's tail. `env` entries override eyas's engine environment.
     """
+    check_draft_servable(spec["target"], spec.get("draft"))
     # a caller under torchrun (serve-eval from the trainer) must not hand its process-group env to vLLM
     env = {**vllm_env({k: v for k, v in os.environ.items()
                        if k not in TORCHRUN_ENV and not k.startswith("TORCHELASTIC_")}), **(env or {})}

@@ -21,6 +21,7 @@ from typing import Any
 
 from eyas.acceptance import counters_from_prometheus, tokens_per_decode_step
 from eyas.host import engine_dtype
+from eyas.vllm_fixes import check_draft_servable
 from eyas.vllm_runner import speculative_config
 
 BASELINE = "baseline"
@@ -157,6 +158,7 @@ def bench_sweep(target: Path, draft: Path | None, prompts: list[list[dict]], con
         n = prompts_per_level or max(2 * c, 4)
         return [prompts[i % len(prompts)] for i in range(n)]
 
+    check_draft_servable(target, draft)  # before any server starts
     runs: list[dict[str, Any]] = []
     with VllmServer(target, **kw) as base:
         run_serving_benchmark(base.url, str(target), tok, batch(1)[:2], max_tokens, 1)  # warm-up, not recorded

@@ -31,6 +31,7 @@ from eyas.draft.ttt import STAT_KEYS as STAT_ORDER
 from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab, vocab_coverage
 from eyas.faults import failpoint
+from eyas.io import remove_temp_files
 from eyas.manifest import read_manifest, sha256_file, sha256_text, write_manifest
 from eyas.models import eyas_home, resolve_target
 from eyas.stage import ChangedOutput, inherited, output_dir
@@ -326,9 +327,13 @@ class Trainer:
         self.ckpt, step = resume_point(cfg, self.data_id)
         if self.ckpt is not None and d.rank == 0:
             repair_latest(self.run_dir, self.ckpt)
+            remove_temp_files(self.run_dir)  # a manifest write a kill cut short
         if self.ckpt is not None:
             self.unmeasured = self._unmeasured(step)
-            if step >= cfg.max_steps and not self.unmeasured:
+            finished = bool((read_manifest(self.run_dir) or {}).get("complete"))
+            if step >= cfg.max_steps and not self.unmeasured and not finished:
+                _log(f"{self.ckpt.name} is the last step but the run was not marked complete (killed?): finishing it", d)
+            elif step >= cfg.max_steps and not self.unmeasured:
                 _log(f"{self.run_dir} already holds {self.ckpt.name} (>= max_steps {cfg.max_steps}); nothing to do", d)
                 self.done = {"step": step, "checkpoint": str(self.ckpt), "skipped": True}
                 return
