@@ -185,8 +185,12 @@ def test_train_killed_writing_the_last_file(tmp_path, train_ref):
     assert res.returncode == -9, res.stderr[-3000:]
     assert [p.split(".tmp.")[0] for p in debris(out)] == [".manifest.json"]
     assert not json.loads((out / "manifest.json").read_text())["complete"]
+    mine = out / ".notes.tmp.keep"  # a user's file with a temp-like name: not eyas's `.NAME.tmp.PID`
+    mine.write_text("mine")
     res = run(cmd(out))
     assert res.returncode == 0, res.stderr[-3000:]
+    assert mine.read_text() == "mine"
+    mine.unlink()
     man = json.loads((out / "manifest.json").read_text())
     assert man["complete"] and (out / "checkpoints" / "latest").read_text().strip() == "step_8"
     assert _steps(out) == _steps(ref) and debris(out) == []

@@ -27,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eyas.io import atomic_write_text, load_safetensors, read_json
+from eyas.io import atomic_write_text, load_safetensors, read_json, remove_temp_files
 
 CKPT_DIR = "checkpoints"
 LATEST = "latest"
@@ -98,8 +98,7 @@ def repair_latest(run_dir: str | os.PathLike, ckpt: Path) -> None:
     checkpoint's rename and its `latest` write left `latest` on the one before, or absent), and no
     temp file of a killed `latest` / `best` write is left beside it."""
     ck = checkpoints_dir(run_dir)
-    for p in [*ck.glob(f".{LATEST}.tmp.*"), *ck.glob(f".{BEST}.tmp.*")]:
-        p.unlink(missing_ok=True)
+    remove_temp_files(ck)  # `latest`, `best`, best.json
     p = ck / LATEST
     if not (p.is_file() and p.read_text().strip() == ckpt.name):
         mark_latest(run_dir, ckpt)

@@ -55,11 +55,12 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 
 
 def remove_temp_files(d: str | os.PathLike) -> list[str]:
-    """Remove the temp files killed atomic writes left directly in `d` (`.NAME.tmp.PID`); their names.
-    Only for a dir no other process is writing (a run being resumed)."""
+    """Remove the temp files killed atomic writes (`atomic_path`) left directly in `d`: files named
+    `.NAME.tmp.PID` (files, or links as checkpoints/best's), nothing else; their names. Only for a dir
+    no other eyas process is writing."""
     gone = []
     for p in Path(d).glob(".*.tmp.*"):
-        if p.is_file():
+        if (p.is_symlink() or p.is_file()) and p.name.rsplit(".tmp.", 1)[1].isdigit():
             p.unlink(missing_ok=True)
             gone.append(p.name)
     return gone

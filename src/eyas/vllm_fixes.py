@@ -125,16 +125,6 @@ def draft_limit(target: str | os.PathLike, cpu: bool | None = None) -> str | Non
             "baseline (draft=ngram) here; extraction, training and export run on this machine.")
 
 
-def check_draft_servable(target: str | os.PathLike, draft: str | os.PathLike | None) -> None:
-    """Raise DraftNotServable before vLLM starts when `draft` (an EAGLE-3 directory; None or `ngram...`
-    is always servable) cannot be served beside `target` here."""
-    if draft is None or str(draft) == "ngram" or str(draft).startswith("ngram:"):
-        return
-    why = draft_limit(target)
-    if why:
-        raise DraftNotServable(why)
-
-
 def engine_options(target: str | os.PathLike, cpu: bool | None = None) -> dict[str, Any]:
     """Keywords for `vllm.LLM(model=target, ...)`: the target options asked for and the CPU workarounds
     (`cpu`: for vLLM CPU or not; None: this machine)."""

@@ -29,7 +29,7 @@ from typing import Any
 from eyas.children import scratch_prefix
 from eyas.host import engine_dtype, vllm_env
 from eyas.io import atomic_write_text
-from eyas.vllm_fixes import check_draft_servable, engine_options
+from eyas.vllm_fixes import DraftNotServable, draft_limit, engine_options
 
 COUNTERS = {
     "vllm:spec_decode_num_drafts": "num_drafts",
@@ -47,6 +47,14 @@ NGRAM_DEFAULT = (2, 4)  # n-gram lengths looked up in the context, longest first
 
 def is_ngram(draft: str | os.PathLike | None) -> bool:
     return draft is not None and (str(draft) == NGRAM or str(draft).startswith(NGRAM + ":"))
+
+
+def check_draft_servable(target: str | os.PathLike, draft: str | os.PathLike | None) -> None:
+    """Raise DraftNotServable before vLLM starts when the EAGLE-3 `draft` cannot be served beside
+    `target` on this machine (None and n-gram always can)."""
+    why = None if draft is None or is_ngram(draft) else draft_limit(target)
+    if why:
+        raise DraftNotServable(why)
 
 
 def ngram_lengths(draft: str) -> tuple[int, int]:

@@ -21,8 +21,7 @@ from typing import Any
 
 from eyas.acceptance import counters_from_prometheus, tokens_per_decode_step
 from eyas.host import engine_dtype
-from eyas.vllm_fixes import check_draft_servable
-from eyas.vllm_runner import speculative_config
+from eyas.vllm_runner import check_draft_servable, speculative_config
 
 BASELINE = "baseline"
 

@@ -330,13 +330,12 @@ class Trainer:
             remove_temp_files(self.run_dir)  # a manifest write a kill cut short
         if self.ckpt is not None:
             self.unmeasured = self._unmeasured(step)
-            finished = bool((read_manifest(self.run_dir) or {}).get("complete"))
-            if step >= cfg.max_steps and not self.unmeasured and not finished:
+            if step >= cfg.max_steps and not self.unmeasured:
+                if (read_manifest(self.run_dir) or {}).get("complete"):
+                    _log(f"{self.run_dir} already holds {self.ckpt.name} (>= max_steps {cfg.max_steps}); nothing to do", d)
+                    self.done = {"step": step, "checkpoint": str(self.ckpt), "skipped": True}
+                    return
                 _log(f"{self.ckpt.name} is the last step but the run was not marked complete (killed?): finishing it", d)
-            elif step >= cfg.max_steps and not self.unmeasured:
-                _log(f"{self.run_dir} already holds {self.ckpt.name} (>= max_steps {cfg.max_steps}); nothing to do", d)
-                self.done = {"step": step, "checkpoint": str(self.ckpt), "skipped": True}
-                return
             if step < cfg.max_steps and not cfg.resume:
                 raise ValueError(f"{self.run_dir} holds checkpoints up to {self.ckpt.name}: pass --resume to continue "
                                  "it, or choose another --out")
