@@ -18,7 +18,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # (eyas.draft.model -> eyas.draft.unroll); nothing of its own layer otherwise, nothing above.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("failpoints", ("eyas.faults",)),  # where the fault-injection suite kills: reachable from every write
-    ("files", ("eyas.io",)),  # atomic writes, strict readers: what the config reader and everything else use
+    ("files", ("eyas.io", "eyas.lock")),  # atomic writes, strict readers, one writer per dir: what the config reader and everything else use
     ("foundation", ("eyas", "eyas.host", "eyas.config", "eyas.packing", "eyas.fp8", "eyas.children",
                     "eyas.vllm_fixes")),
     ("records", ("eyas.manifest", "eyas.target", "eyas.vllm_runner")),

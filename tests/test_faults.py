@@ -13,6 +13,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,8 @@ def train_ref(tmp_path_factory, tiny_llama):
                 "--lr", "0.002", "--warmup-steps", "2", "--log-every", "1", "--save-every", "2", "--ttt-steps", "3",
                 "--threads", "1", "--precision", "fp32", "--no-progress", "--resume"]
 
+    warm = run(cmd(d / "warm"))  # fills the draft-vocab cache: every run below hits it, the reference too
+    assert warm.returncode == 0, warm.stderr[-3000:]
     points = reference(cmd(d / "ref"), d / "ref.log")
     return cmd, d / "ref", points
 
@@ -212,3 +215,196 @@ def test_train_resaves_a_checkpoint_whole(tmp_path, train_ref):
     want = load_file(ref / "checkpoints" / "step_4" / "draft.safetensors")
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert _steps(out) == _steps(ref) and debris(out) == []
+
+
+def same_features(out: Path, ref: Path) -> None:
+    """Every conversation once, every tensor bit-equal to the reference's."""
+    got, want = _samples(out), _samples(ref)
+    assert sorted(got) == sorted(want)
+    for i, s in want.items():
+        for k, t in s.items():
+            assert torch.equal(got[i][k], t) if isinstance(t, torch.Tensor) else got[i][k] == t, f"{i}/{k} differs"
+
+
+def same_training(out: Path, ref: Path, steps=("step_2", "step_4", "step_6", "step_8")) -> None:
+    """Every step logged once with the reference's loss; the checkpoints' weights bit-equal."""
+    from safetensors.torch import load_file
+
+    assert _steps(out) == _steps(ref)
+    for step in steps:
+        got = load_file(out / "checkpoints" / step / "draft.safetensors")
+        want = load_file(ref / "checkpoints" / step / "draft.safetensors")
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), f"{step} differs"
+
+
+# ---------------------------------------------------------------- a full disk, a read-only dir
+
+WRITES = ("write.before_rename", "append.torn", "extract.shard", "checkpoint.dcp", "checkpoint.renamed")
+CAUSE = {"enospc": "No space left on device", "eacces": "Permission denied"}
+
+
+def write_points(points: list[str], seed: int) -> list[str]:
+    """One seeded pass through each kind of write the reference run made, each early enough in its
+    share of the run that the re-runs (each resuming past the last failure) still reach it."""
+    rng = random.Random(seed)
+    kinds = [name for name in WRITES if name in points]
+    return [f"{name}:{rng.randint(1, max(1, points.count(name) // (len(kinds) + 1)))}" for name in kinds]
+
+
+def one_error_line(res: subprocess.CompletedProcess, stage: str, mode: str) -> str:
+    """The command stopped with exit 2 and one line naming a path and the cause, no traceback."""
+    assert res.returncode == 2, f"exit {res.returncode}:\n{res.stderr[-3000:]}"
+    assert "Traceback" not in res.stderr, res.stderr[-3000:]
+    line = [x for x in res.stderr.splitlines() if x.strip()][-1]
+    assert line.startswith(f"eyas {stage}: error: /") and f": {CAUSE[mode]} (" in line, line
+    return line
+
+
+def failed_until_done(cmd: list[str], stage: str, points: list[str], mode: str, check) -> list[str]:
+    """Run `cmd` failing (ENOSPC / EACCES) at each point in turn, `check` the dir after each, then
+    run it plainly (the cause removed): the error lines."""
+    lines = []
+    for spec in points:
+        res = run(cmd, EYAS_FAILPOINTS=f"{spec}:{mode}")
+        if res.returncode == 0:
+            continue  # resumed past this point
+        lines.append(one_error_line(res, stage, mode))
+        check()
+    res = run(cmd)
+    assert res.returncode == 0, f"after {lines}:\n{res.stderr[-3000:]}"
+    return lines
+
+
+@pytest.mark.parametrize("mode", ["enospc", "eacces"])
+def test_extract_through_failed_writes(tmp_path, extract_ref, mode):
+    from eyas.features import verify_features
+
+    cmd, ref, points = extract_ref
+    out = tmp_path / "feat"
+
+    def check():
+        assert debris(out) == []
+        if (out / "manifest.json").exists():
+            try:
+                verify_features(out)  # every shard it lists is whole (checksums, shapes, counts) ...
+            except ValueError as e:  # ... in a dir not complete yet
+                assert str(e).split("\n  ")[1:] == ["manifest says the extraction is not complete"], str(e)
+
+    picks = write_points(points, 0)
+    lines = failed_until_done(cmd(out), "extract", picks, mode, check)
+    assert len(lines) == len(picks) == 2, (picks, lines)
+    same_features(out, ref)
+    assert debris(out) == []
+
+
+@pytest.mark.parametrize("mode", ["enospc", "eacces"])
+def test_train_through_failed_writes(tmp_path, train_ref, mode):
+    from eyas.checkpoints import is_complete, latest_checkpoint
+
+    cmd, ref, points = train_ref
+    out = tmp_path / "run"
+
+    def check():
+        assert debris(out) == []
+        steps = list((out / "checkpoints").glob("step_*")) if (out / "checkpoints").exists() else []
+        assert all(is_complete(s) for s in steps), steps  # nothing half-made under a checkpoint's name
+        if steps:
+            assert latest_checkpoint(out) is not None
+        if (out / "metrics.jsonl").exists():
+            assert (out / "metrics.jsonl").read_bytes()[-1:] in (b"", b"\n")  # no torn line
+
+    picks = write_points(points, 1)
+    assert {p.split(":")[0] for p in picks} >= {"append.torn", "checkpoint.dcp", "checkpoint.renamed"}
+    lines = failed_until_done(cmd(out), "train", picks, mode, check)
+    assert len(lines) == len(picks), (picks, lines)
+    same_training(out, ref)
+    assert json.loads((out / "manifest.json").read_text())["complete"] and debris(out) == []
+
+
+# ---------------------------------------------------------------- one writer per output
+
+def together(cmd: list[str], gate: Path, point: str) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """Start `cmd` twice at once; each waits at `point` (its first write inside the lock) until `gate` opens,
+    which it does once one of them has ended. (refused, finished)."""
+    env = {**ENV, "EYAS_FAILPOINTS": f"{point}:gate", "EYAS_FAILPOINT_GATE": str(gate)}
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    t0 = time.monotonic()
+    while all(p.poll() is None for p in procs):
+        assert time.monotonic() - t0 < 300, "neither ended while the gate was shut"
+        time.sleep(0.1)
+    gate.write_text("open")
+    res = [subprocess.CompletedProcess(p.args, p.wait(timeout=600), *p.communicate()) for p in procs]
+    res.sort(key=lambda r: r.returncode != 2)
+    refused, done = res
+    assert refused.returncode == 2 and done.returncode == 0, [(r.returncode, r.stderr[-2000:]) for r in res]
+    assert "Traceback" not in refused.stderr
+    return refused, done
+
+
+def test_two_extracts_at_once_one_is_refused(tmp_path, extract_ref):
+    cmd, ref, _ = extract_ref
+    out = tmp_path / "feat"
+    refused, done = together(cmd(out), tmp_path / "gate", "write.before_rename:1")
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"eyas extract: error: {out} is being written by pid ") and "eyas extract" in line, line
+    same_features(out, ref)
+
+
+def test_two_trainings_at_once_one_is_refused(tmp_path, train_ref):
+    cmd, ref, _ = train_ref
+    out = tmp_path / "run"
+    refused, done = together(cmd(out), tmp_path / "gate", "write.before_rename:1")
+    line = refused.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"eyas train: error: {out} is being written by pid ") and "eyas train" in line, line
+    same_training(out, ref)
+
+
+# ---------------------------------------------------------------- a real full disk
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of a given size (mount needs root / CAP_SYS_ADMIN: skipped where not permitted), and a
+    function that grows it: `disk(size)` mounts or remounts, returns the mount point."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    mounted = []
+
+    def disk(size: str) -> Path:
+        opts = f"size={size}" + (",remount" if mounted else "")
+        res = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(mnt)], capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({res.stderr.strip()}): the failpoint tests above still run")
+        mounted.append(size)
+        return mnt
+
+    yield disk
+    if mounted:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_extract_on_a_full_disk_then_freed(small_disk, extract_ref):
+    cmd, ref, _ = extract_ref
+    out = small_disk("1m") / "feat"  # the features take 1.9 MB
+    res = run(cmd(out))
+    line = one_error_line(res, "extract", "enospc")
+    assert str(out) in line and debris(out) == []
+    small_disk("64m")  # the cause removed
+    res = run(cmd(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    same_features(out, ref)
+
+
+def test_train_on_a_full_disk_then_freed(small_disk, train_ref):
+    from eyas.checkpoints import is_complete
+
+    cmd, ref, _ = train_ref
+    out = small_disk("45m") / "run"  # 4 checkpoints of ~26 MB: full while writing the second
+    res = run(cmd(out))
+    line = one_error_line(res, "train", "enospc")
+    assert str(out) in line and debris(out) == [], line
+    steps = sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+    assert steps == ["step_2"] and all(is_complete(out / "checkpoints" / s) for s in steps)
+    small_disk("256m")
+    res = run(cmd(out))
+    assert res.returncode == 0, res.stderr[-3000:]
+    same_training(out, ref)

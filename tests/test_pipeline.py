@@ -39,10 +39,33 @@ def _recipe(target: Path, out: Path, max_tokens: int = 12) -> dict:
     }
 
 
-def _start(recipe: Path, log: Path) -> subprocess.Popen:
+def _start(recipe: Path, log: Path, **env: str) -> subprocess.Popen:
     with open(log, "ab") as f:
         return subprocess.Popen([sys.executable, "-m", "eyas", "run", "--recipe", str(recipe)],
-                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+                                stdout=f, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **env})
+
+
+def _two_at_once(recipe: Path, log: Path, gate: Path) -> subprocess.Popen:
+    """Two `eyas run` on one run dir, started together, each held at its first write (inside the run's
+    lock) until one has ended: the other is refused at once with one line naming the holder. The one
+    that goes on is returned."""
+    env = {"EYAS_FAILPOINTS": "write.before_rename:1:gate", "EYAS_FAILPOINT_GATE": str(gate)}
+    logs = [log.with_suffix(f".{i}.log") for i in (0, 1)]
+    procs = [_start(recipe, lg, **env) for lg in logs]
+    t0 = time.monotonic()
+    while all(p.poll() is None for p in procs):
+        assert time.monotonic() - t0 < 300, "neither eyas run ended while the gate was shut"
+        time.sleep(0.1)
+    gate.write_text("open")
+    refused = next(i for i, p in enumerate(procs) if p.poll() is not None)
+    text = logs[refused].read_text()
+    assert procs[refused].returncode == 2, text[-3000:]
+    held = procs[1 - refused]
+    assert text.strip().splitlines()[-1].startswith(f"eyas run: error: {recipe.parent / 'run'} is being written by "
+                                                    f"pid {held.pid}: eyas run --recipe"), text[-3000:]
+    with open(log, "ab") as f:
+        f.write(logs[1 - refused].read_bytes())
+    return held
 
 
 def _kill_when(p: subprocess.Popen, ready, delay: float, what: str, timeout: float = 600) -> None:
@@ -76,8 +99,9 @@ def test_run_resumes_after_kill9_and_reruns_what_a_recipe_change_touches(vllm_ta
     recipe.write_text(yaml.safe_dump(_recipe(vllm_target, out)))
     rng = random.Random(0)  # seeded points inside each window
 
-    # 1) killed mid-training: right after checkpoint step_2 (steps 3-4 and the step-4 serve-eval to come)
-    p = _start(recipe, log)
+    # 1) started twice at once: one is refused, the other goes on and is killed mid-training, right after
+    # checkpoint step_2 (steps 3-4 and the step-4 serve-eval to come)
+    p = _two_at_once(recipe, log, tmp_path / "gate")
     _kill_when(p, lambda: (out / "train/checkpoints/step_2/trainer.json").exists(), rng.uniform(0, 0.3),
                "checkpoint step_2")
     # 2) re-run, killed during the step-4 serve-eval (its draft exported, vLLM measuring)

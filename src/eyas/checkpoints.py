@@ -193,15 +193,20 @@ def _key() -> bytes:
     from eyas.models import eyas_home
 
     path = eyas_home() / "checkpoint.key"
-    if not path.exists():
+    if not path.exists():  # made whole under a temp name, then linked into place: never seen empty
         path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            pass  # another process made it first
-        else:
             with os.fdopen(fd, "wb") as f:
                 f.write(os.urandom(32))
+                f.flush()
+                os.fsync(f.fileno())
+            os.link(tmp, path)
+        except FileExistsError:
+            pass  # another process linked its key first: use that one
+        finally:
+            tmp.unlink(missing_ok=True)
     key = path.read_bytes()
     if len(key) != 32:
         raise ValueError(f"{path}: a checkpoint key is 32 bytes, this one {len(key)}; remove it (checkpoints signed "

@@ -141,13 +141,14 @@ def main(argv: list[str] | None = None) -> int:
 
 # what the user can do about an OSError, by errno
 _OS_FIX = {
-    errno.EACCES: "check its permissions, or choose another --out",
-    errno.EPERM: "check its permissions, or choose another --out",
+    errno.EACCES: "check its permissions, or choose another --out; the same command then resumes",
+    errno.EPERM: "check its permissions, or choose another --out; the same command then resumes",
     errno.EROFS: "it is on a read-only file system: choose another --out",
     errno.ENOENT: "check the path",
     errno.ENOTDIR: "a part of the path is a file, not a directory: check the path",
     errno.EISDIR: "it is a directory where a file is expected: check the path",
-    errno.ENOSPC: "the disk is full: free space or choose another --out",
+    errno.ENOSPC: "the disk is full: free space and run the same command again to resume, or choose another --out",
+    errno.EDQUOT: "the disk quota is used up: free space and run the same command again to resume",
     errno.EADDRINUSE: "the port is in use: choose another port",
 }
 

@@ -32,6 +32,7 @@ from eyas.draft.spec import (
 )
 from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
 from eyas.io import atomic_write_text, plain_mode
+from eyas.lock import writing
 from eyas.manifest import read_manifest, sha256_file, sha256_text, tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.stage import claim, say_complete
@@ -66,16 +67,21 @@ def write_draft(
     `norm.weight`, `lm_head.weight` [Vd, H], `d2t` [Vd] int64 offsets, `t2d` [V] bool,
     optionally `embed_tokens.weight` [V, H], `fc_norm.{i}.weight`, `input_norm.weight`).
     """
-    import torch
-    from safetensors.torch import save_file
-
-    from eyas.fp8 import dequantize_fp8, quantize_fp8_tensor
-
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r}: expected one of {DTYPES}")
     if fmt not in FORMATS:
         raise ValueError(f"format {fmt!r}: expected one of {FORMATS}")
     out, target_dir = Path(out), Path(target_dir).resolve()
+    with writing(out, "eyas export"):
+        return _write_draft(state_dict, draft_config, out, target_dir, dtype, fmt, keep_embed, k, extra, key)
+
+
+def _write_draft(state_dict, draft_config, out: Path, target_dir: Path, dtype, fmt, keep_embed, k, extra, key) -> Path:
+    import torch
+    from safetensors.torch import save_file
+
+    from eyas.fp8 import dequantize_fp8, quantize_fp8_tensor
+
     claim(out, "export", key, on_change="replace")  # refuses a dir that is not an export; nothing else is deleted
     target_cfg = text_config_dict(target_dir)  # the language model's (a multimodal wrapper's text_config)
     state = {canonical(n): t.detach().cpu() for n, t in state_dict.items()}
@@ -264,9 +270,14 @@ def export_run(e: ExportConfig, k: int, verify: bool | None = None) -> Path:
     run_dir = Path(e.run)
     out = Path(e.out) if e.out else run_dir / "draft"
     ckpt = resolve_checkpoint(run_dir, e.checkpoint)
+    with writing(out, "eyas export"):
+        return _export(ckpt, out, e, k, e.verify if verify is None else verify)
+
+
+def _export(ckpt: Path, out: Path, e: ExportConfig, k: int, verify: bool) -> Path:
     draft = export_checkpoint(ckpt, out, e.target, e.dtype, e.format, e.keep_embed, k)
     print(f"eyas export: {ckpt} -> {draft} ({e.format}, {e.dtype})", file=sys.stderr)
-    if e.verify if verify is None else verify:
+    if verify:
         man = read_manifest(draft) or {}
         rep = verify_draft(draft, man["target"], k=k)
         man["verified"] = {x: rep[x] for x in ("acceptance_length", "num_drafts", "num_draft_tokens", "load_seconds")}

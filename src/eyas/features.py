@@ -33,7 +33,7 @@ from eyas.config import ExtractConfig, choices
 from eyas.faults import failpoint
 from eyas.fp8 import dequantize_fp8, quantize_fp8
 from eyas.io import atomic_path, open_safetensors
-from eyas.manifest import read_manifest, sha256_file, write_manifest
+from eyas.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
 from eyas.stage import claim
 
 FORMAT = "eyas-features-v1"
@@ -163,7 +163,7 @@ class FeatureWriter:
         path = self.out / shard_name(index)
         tensors, meta = pack_shard(self.pending, self.header["dtype"])
         write_shard_atomic(path, tensors, meta)
-        failpoint("extract.shard")
+        failpoint("extract.shard", self.out / MANIFEST)
         self.shards.append({
             "file": path.name,
             "sha256": sha256_file(path),

@@ -2,6 +2,7 @@
 durably, read strictly), JSON. Nothing here knows a stage.
 
     atomic_path(path)               a temp path beside `path` to write; fsynced and renamed over it on success
+    write_error(e, path)            the OSError behind a failed write (safetensors', torch's too), naming `path`
     atomic_write_text(path, text)   the same for text: a kill leaves the old file or the new one
     write_jsonl(path, records)      the same for a whole JSONL file
     append_jsonl(path, records)     append + fsync: what returned survives a crash right after
@@ -16,14 +17,17 @@ durably, read strictly), JSON. Nothing here knows a stage.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import re
+import shutil
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from eyas.faults import die, failpoint, reached
+from eyas.faults import fail, failpoint, hit
 
 
 def plain_mode(path: str | os.PathLike) -> None:
@@ -38,7 +42,8 @@ def plain_mode(path: str | os.PathLike) -> None:
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temp path beside `path` (`.NAME.tmp.PID`) for the caller to write. When the block
     ends, the file is made readable as a plain file would be (0666 less the umask: safetensors
-    writes 0600), fsynced and renamed over `path`; when it raises, the temp file is removed."""
+    writes 0600), fsynced and renamed over `path`; when it raises, the temp file is removed and a
+    failed write (a full disk, a read-only dir) is an OSError naming `path` (`write_error`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
@@ -47,11 +52,52 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
         plain_mode(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
-        failpoint("write.before_rename")
+        failpoint("write.before_rename", path)
         os.replace(tmp, path)
+    except Exception as e:
+        tmp.unlink(missing_ok=True)
+        err = write_error(e, path, tmp)
+        if err is not None and err is not e:
+            raise err from None
+        raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+_OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")  # how safetensors (Rust) words an I/O error
+
+
+def write_error(e: BaseException, path: str | os.PathLike, tmp: str | os.PathLike | None = None) -> OSError | None:
+    """The OSError behind a failed write of `path`, named by `path`; None when `e` is not one.
+
+    Python's own write errors often carry no file name (`open` worked, `write` did not); safetensors
+    raises a SafetensorError with the errno in its text; torch.distributed.checkpoint wraps its
+    writers' errors in a CheckpointException, and torch's zip writer on a full disk says only
+    "unexpected pos": that is read as ENOSPC when the disk holding `path` has under 1 MiB free."""
+    if isinstance(e, OSError):
+        if e.errno is not None and (e.filename is None or (tmp is not None and e.filename == str(tmp))):
+            return OSError(e.errno, e.strerror or os.strerror(e.errno), str(path))
+        return e
+    for inner in [x[0] for x in getattr(e, "failures", {}).values() if isinstance(x, tuple) and x] or [e]:
+        if isinstance(inner, OSError) and inner.errno is not None:
+            return write_error(inner, path, tmp)
+        if m := _OS_ERROR_IN_TEXT.search(str(inner)):
+            code = int(m.group(1))
+            return OSError(code, os.strerror(code), str(path))
+        if "unexpected pos" in str(inner) and _free_bytes(path) < 1 << 20:
+            return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+    return None
+
+
+def _free_bytes(path: str | os.PathLike) -> int:
+    p = Path(path)
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    try:
+        return shutil.disk_usage(p).free
+    except OSError:
+        return 1 << 62
 
 
 def remove_temp_files(d: str | os.PathLike) -> list[str]:
@@ -83,20 +129,33 @@ def write_jsonl(path: str | os.PathLike, records: Iterable[dict]) -> int:
 
 
 def append_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
-    """Append records and fsync: what is appended survives a crash right after."""
+    """Append records and fsync: what is appended survives a crash right after. A failed write (a full
+    disk) cuts the file back to where it was and raises an OSError naming it (`write_error`)."""
     if not records:
         return
     data = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records).encode()
-    with open(path, "ab") as f:
-        if reached("append.torn"):
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    start = os.lseek(fd, 0, os.SEEK_END)
+    try:
+        if (mode := hit("append.torn")) is not None:
             cut = len(data) // 2
             cut -= data[cut - 1 : cut] == b"\n"  # mid-line, never at a line's end
-            f.write(data[:cut])
-            f.flush()
-            die()
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+            _write_all(fd, data[:cut])
+            fail(mode, path)
+        _write_all(fd, data)
+        os.fsync(fd)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, start)  # what was complete before stays complete: no torn line left
+        raise write_error(e, path) from None
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def iter_jsonl(path: str | os.PathLike, missing_hint: str = "",

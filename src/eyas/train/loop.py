@@ -8,9 +8,11 @@ its micro-batches whatever the split between ranks and accumulation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -32,6 +34,7 @@ from eyas.draft.ttt import TargetHead, ttt_loss
 from eyas.draft.vocab import DraftVocab, build_draft_vocab, vocab_coverage
 from eyas.faults import failpoint
 from eyas.io import remove_temp_files
+from eyas.lock import writing
 from eyas.manifest import read_manifest, sha256_file, sha256_text, write_manifest
 from eyas.models import eyas_home, resolve_target
 from eyas.stage import ChangedOutput, inherited, output_dir
@@ -125,11 +128,15 @@ def on_main(fn, d: P.Dist):
         if err is not None:
             raise err
         return out
-    out, msg = P.broadcast_object((out, None if err is None else (type(err).__name__, str(err))), d)
+    brief = None if err is None else (type(err).__name__, str(err), getattr(err, "errno", None),
+                                      getattr(err, "filename", None))
+    out, msg = P.broadcast_object((out, brief), d)
     if err is not None:
         raise err
     if msg is not None:
-        raise (ValueError if msg[0] == "ValueError" else RuntimeError)(f"on rank 0: {msg[1]}")
+        if msg[2] is not None:  # an OSError (a full disk, a read-only dir): the same one on every rank
+            raise OSError(msg[2], os.strerror(msg[2]), msg[3])
+        raise (ValueError if msg[0] in ("ValueError", "Busy") else RuntimeError)(f"on rank 0: {msg[1]}")
     return out
 
 
@@ -153,13 +160,15 @@ def train(cfg: TrainConfig, on_checkpoint: CheckpointCallback | None = None) -> 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        trainer = Trainer(cfg, d, on_checkpoint)
-        if trainer.done is not None:
-            return trainer.done
-        try:
-            return trainer.fit()
-        finally:
-            trainer.close()
+        # rank 0 holds the run dir's lock (eyas.lock): a second run on it is refused; the other ranks work inside it
+        with writing(output_dir(cfg.out, "--out"), "eyas train") if d.is_main else contextlib.nullcontext():
+            trainer = Trainer(cfg, d, on_checkpoint)
+            if trainer.done is not None:
+                return trainer.done
+            try:
+                return trainer.fit()
+            finally:
+                trainer.close()
     finally:
         P.destroy(d)
 
