@@ -33,6 +33,11 @@ class Busy(ValueError):
     """Another process is writing the dir (a user error: exit 2)."""
 
 
+def is_lock_name(name: str) -> bool:
+    """`.NAME.lock`: a lock file of eyas's (never foreign content, never output)."""
+    return name.startswith(".") and name.endswith(".lock") and len(name) > len("..lock")
+
+
 def lock_file(path: str | os.PathLike) -> Path:
     p = Path(path).expanduser().resolve()
     return p.parent / f".{p.name}.lock"

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas.lock import is_lock_name
 from eyas.manifest import read_manifest
 
 
@@ -76,7 +77,8 @@ def claim(out: Path, stage: str, key: Any, on_change: str = "refuse",
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; {stage} writes a directory: choose another --out")
     if man is None:
-        there = sorted(p.name for p in out.iterdir() if not is_temp(p.name) and p.name != "manifest.json") \
+        there = sorted(p.name for p in out.iterdir()
+                       if not is_temp(p.name) and not is_lock_name(p.name) and p.name != "manifest.json") \
             if out.is_dir() else []
         if there:
             shown = ", ".join(there[:5]) + (f" and {len(there) - 5} more" if len(there) > 5 else "")
