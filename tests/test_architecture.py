@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
                 "eyas.evaluate")),
     ("loop", ("eyas.serve_eval", "eyas.report")),
     ("benchmarks", ("eyas.bench",)),
-    ("pipeline", ("eyas.pipeline", "eyas.testing")),
+    ("pipeline", ("eyas.pipeline", "eyas.testing", "eyas.scale")),
     ("cli", ("eyas.cli",)),  # names every entry above as a "module:function" string, imported when run
     ("main", ("eyas.__main__",)),
 ]

@@ -65,6 +65,23 @@ def test_drift_agreement_counts_first_divergence_and_near_ties(tiny_llama):
     assert r["disagreements"] == 36 - r["agree"] and r["gap_max"] > 0 and r["top1_agreement"] == r["agree"] / 36
 
 
+def test_drift_reads_the_hf_engine_beside_vllm(tiny_llama):
+    """The hf synthesis engine's replies, as the drift bench takes them, are the model's own greedy text
+    (teacher-forced agreement 100% in float32), and `same_replies` counts identical replies and common starts."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.bench.drift import _hf_engine_replies, agreement, same_replies
+
+    prompts = [[{"role": "user", "content": t}] for t in ("hi", "name a bird", "2+2?", "why is the sky blue?")]
+    rep, speed = _hf_engine_replies(tiny_llama, prompts, 10, "float32", batch=3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    r = agreement(model, rep)
+    assert r["agree"] == r["positions"] > 0 and speed > 0
+    assert same_replies(rep, rep) == {"identical_share": 1.0, "common_start_mean": sum(len(g) for _, g in rep) / 4}
+    cut = [(p, g[:3] + [(g[3] + 1) % 500] + g[4:]) if i == 0 else (p, g) for i, (p, g) in enumerate(rep)]
+    assert same_replies(rep, cut)["identical_share"] == 0.75
+
+
 def test_threads_bench_rotates_layouts_and_divides_by_default(monkeypatch):
     from eyas.bench import threads
     cpus, seen = sorted(os.sched_getaffinity(0)), []

@@ -412,3 +412,62 @@ def test_endpoint_matches_inprocess_and_server_renders_like_us(server, inproc, s
     eng = E.EndpointEngine([server.url])
     for conv in RENDER:
         assert eng.tokenize_chat(conv)[0] == render_prompt_ids(tok, conv, template)
+
+
+# ---------------------------------------------------------------- the hf engine (no vLLM)
+
+def _reqs(tok, n: int = 5) -> list:
+    texts = ["hi", "tell me about hawks and falcons", "2+2?", "a much longer prompt " * 6, "why?"][:n]
+    return [E.Request(tok(t, add_special_tokens=False)["input_ids"], max_tokens=6 + 2 * (i % 2), seed=0)
+            for i, t in enumerate(texts)]
+
+
+def test_hf_engine_batched_equals_one_at_a_time(tiny_llama):
+    """Left-padded batches of 3 give every request the ids it gets alone (float32)."""
+    from eyas.synth.hf import HFEngine
+
+    one = HFEngine(tiny_llama, dtype="fp32", batch=1)
+    reqs = _reqs(one.tok)
+    alone = one.generate_ids(reqs)
+    batched = HFEngine(tiny_llama, dtype="fp32", batch=3).generate_ids(reqs)
+    assert batched == alone
+    assert [len(ids) for ids, why in alone if why == "length"] == [r.max_tokens for r, (_, why) in zip(reqs, alone)
+                                                                     if why == "length"]
+    with pytest.raises(ValueError, match="greedily only"):
+        one.generate(reqs, E.Sampling(temperature=0.7))
+
+
+def test_hf_engine_synthesizes_and_records_itself(tmp_path, tiny_llama):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "messages": [U(f"question {i}?")]} for i in range(5)]
+                          + [{"id": "two", "messages": [U("first"), A("x"), U("second")]}])
+    cfg = SynthConfig(target=str(tiny_llama), prompts=str(prompts), out=str(tmp_path / "out"), max_tokens=8,
+                      engine="hf", dtype="fp32", concurrency=4, max_model_len=256)
+    out = synthesize(cfg)
+    rows, man = read_out(out), read_manifest(out)
+    assert sorted(rows) == ["r0", "r1", "r2", "r3", "r4", "two"] and man["complete"]
+    assert [m["role"] for m in rows["two"]["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert man["key"]["engine"] == "hf" and man["key"]["dtype"] == "fp32"
+    assert man["last_run"]["engine"] == "hf" and man["last_run"]["dtype"] == "float32"
+    with pytest.raises(ValueError, match="greedily only"):
+        synthesize(SynthConfig(**{**cfg.__dict__, "temperature": 0.5, "out": str(tmp_path / "o2")}))
+
+
+@pytest.mark.slow
+def test_hf_engine_replies_equal_vllm_float32(slow_inputs, embedded_target, tmp_path):
+    """`eyas synth --engine hf --dtype fp32` (batches of 3, left-padded) writes the replies vLLM float32
+    writes for the same single-turn prompts, token for token (the same prompt ids: eyas.chat renders both)."""
+    from eyas import vllm_runner
+
+    _, prompts, _ = slow_inputs
+    single = [r for r in ROWS if sum(m["role"] == "user" for m in r["messages"]) == 1]
+    spec = {"target": str(embedded_target), "max_tokens": MAX_TOKENS, "kv_cache_gib": 1, "dtype": "float32",
+            "batches": [{"name": "hf", "conversations": [[m for m in r["messages"] if m["role"] != "assistant"]
+                                                         for r in single]}]}
+    want = dict(zip([r["id"] for r in single], vllm_runner.run(spec, timeout=600)["batches"][0]["texts"]))
+    out = tmp_path / "hf"
+    p = run_eyas(["--target", str(embedded_target), "--prompts", str(prompts), "--out", str(out), "--engine", "hf",
+                  "--dtype", "fp32", "--concurrency", "3", "--max-tokens", str(MAX_TOKENS)],
+                 stderr=subprocess.PIPE, text=True)
+    assert p.wait(timeout=600) == 0, p.stderr.read()[-3000:]
+    rows = read_out(out)
+    assert {i: rows[i]["messages"][-1]["content"] for i in want} == want

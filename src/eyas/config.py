@@ -60,6 +60,9 @@ class SynthConfig:
     max_model_len: int = 2048
     kv_cache_gib: float = 2.0  # VLLM_CPU_KVCACHE_SPACE on CPU
     enforce_eager: bool = True  # skip torch.compile: ~4x faster start-up on CPU, ~20% slower decode
+    engine: Literal["vllm", "hf"] = "vllm"  # hf: transformers' batched greedy generation, where vLLM is missing
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # the target's dtype (auto: eyas.host.engine_dtype)
+    device: str = "cpu"  # hf engine: where the target runs (cpu, cuda:0, ...)
 
 
 @dataclass

@@ -8,6 +8,10 @@ vLLM wrote; a reply diverges at its first disagreement (where an HF float32 gree
 would have gone another way). The HF float32 top-1 / top-2 log-prob gap at each
 disagreement shows whether it was a near-tie. HF bf16 on the same text separates bf16
 rounding from vLLM's kernels.
+
+The hf synthesis engine (`synth.engine: hf`, batched and left-padded like `eyas synth` runs
+it) is read the same way, and its replies are set beside vLLM's at the same dtype: the share
+of replies identical token for token, and the mean length of their common start.
 """
 
 from __future__ import annotations
@@ -67,24 +71,59 @@ def agreement(model, replies: list[tuple[list, list]]) -> dict[str, Any]:
             "gap_median": statistics.median(gaps) if gaps else None, "gap_max": max(gaps) if gaps else None}
 
 
+def _hf_engine_replies(target: Path, prompts: list[list[dict]], max_tokens: int, dtype: str,
+                       batch: int = 8) -> tuple[list[tuple[list, list]], float]:
+    """[(prompt ids, generated ids)] from the hf synthesis engine at `dtype` (batches of `batch`), and its tokens/s."""
+    import time
+
+    from eyas.chat import load_chat_template, render_prompt_ids
+    from eyas.synth.engines import Request
+    from eyas.synth.hf import HFEngine
+
+    eng = HFEngine(target, dtype=dtype, batch=batch, max_model_len=4096)
+    template = load_chat_template(target, tok=eng.tok)
+    reqs = [Request(render_prompt_ids(eng.tok, p, template), max_tokens, 0) for p in prompts]
+    t0 = time.perf_counter()
+    gen = eng.generate_ids(reqs)
+    secs = time.perf_counter() - t0
+    eng.close()
+    return [(r.prompt_ids, ids) for r, (ids, _) in zip(reqs, gen)], sum(len(ids) for ids, _ in gen) / secs
+
+
+def same_replies(a: list[tuple[list, list]], b: list[tuple[list, list]]) -> dict[str, Any]:
+    """How alike two engines' replies to the same prompts are: identical share, mean common start."""
+    assert [p for p, _ in a] == [p for p, _ in b], "the two engines ran different prompt ids"
+    common = [next((i for i, (x, y) in enumerate(zip(ga, gb)) if x != y), min(len(ga), len(gb)))
+              for (_, ga), (_, gb) in zip(a, b)]
+    return {"identical_share": sum(ga == gb for (_, ga), (_, gb) in zip(a, b)) / max(1, len(a)),
+            "common_start_mean": statistics.mean(common) if common else 0.0}
+
+
 def bench_drift(target: Path, prompts: list[list[dict]], max_tokens: int = 128,
-                engine_dtypes: tuple[str, ...] = ("bfloat16", "float32")) -> dict[str, Any]:
-    """Rows {engine dtype, reference dtype, agreement...}: vLLM text at each dtype against HF fp32 (and HF bf16)."""
+                engine_dtypes: tuple[str, ...] = ("bfloat16", "float32"), hf_engine: bool = True) -> dict[str, Any]:
+    """Rows {engine dtype, reference dtype, agreement...}: vLLM text at each dtype against HF fp32 (and HF bf16);
+    with `hf_engine`, the hf synthesis engine's text at each dtype too, beside vLLM's at that dtype."""
     from transformers import AutoModelForCausalLM
 
-    replies = {dt: _vllm_replies(target, prompts, max_tokens, dt) for dt in engine_dtypes}
+    replies = {f"vllm-{dt}": _vllm_replies(target, prompts, max_tokens, dt) for dt in engine_dtypes}
+    if hf_engine:
+        replies |= {f"hf-engine-{dt}": _hf_engine_replies(target, prompts, max_tokens, dt) for dt in engine_dtypes}
     rows = []
     for ref in ("float32", "bfloat16"):
         model = AutoModelForCausalLM.from_pretrained(str(target), dtype=getattr(torch, ref)).eval()
-        for dt, (rep, speed) in replies.items():
+        for name, (rep, speed) in replies.items():
+            dt = name.rsplit("-", 1)[1]
             if ref == "bfloat16" and dt != "bfloat16":
                 continue
-            row = {"engine": f"vllm-{dt}", "reference": f"hf-{ref}", "engine_tokens_per_s": speed,
-                   **agreement(model, rep)}
+            row = {"engine": name, "reference": f"hf-{ref}", "engine_tokens_per_s": speed, **agreement(model, rep)}
+            if name.startswith("hf-engine-") and f"vllm-{dt}" in replies:
+                row["vs_vllm_same_dtype"] = same_replies(rep, replies[f"vllm-{dt}"][0])
             rows.append(row)
-            print(f"bench drift: vllm {dt} vs hf {ref}: top-1 agreement {100 * row['top1_agreement']:.2f}% "
+            print(f"bench drift: {name} vs hf {ref}: top-1 agreement {100 * row['top1_agreement']:.2f}% "
                   f"over {row['positions']} positions; {row['diverged']}/{row['replies']} replies diverge within "
                   f"{max_tokens} tokens; {row['near_ties']}/{row['disagreements']} disagreements are near-ties "
-                  f"(gap < {NEAR_TIE} nats); vllm {dt} generated {speed:.1f} tok/s", flush=True)
+                  f"(gap < {NEAR_TIE} nats); {name} generated {speed:.1f} tok/s"
+                  + (f"; {100 * row['vs_vllm_same_dtype']['identical_share']:.0f}% of its replies identical to "
+                     f"vllm-{dt}'s" if "vs_vllm_same_dtype" in row else ""), flush=True)
         del model
     return {"rows": rows, "prompts": len(prompts), "max_tokens": max_tokens, "near_tie_nats": NEAR_TIE}

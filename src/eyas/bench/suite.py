@@ -146,9 +146,24 @@ def category_pools(seed: int, counts: Counts) -> dict[str, list[list[dict[str, A
     return pools
 
 
+def _queues(pools: list[list[dict]], rng: Random) -> list[list[dict]]:
+    """Each pool shuffled: records are taken from the end."""
+    return [rng.sample(p, len(p)) for p in pools if p]
+
+
+def reserve(depth: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Every record the suite can take within `depth` of the end of each of its shuffled pools: the suite
+    with `per_category` prompts is inside this whenever no pool has `depth - per_category` of its records
+    rejected (training prompts, too long for a bucket); a pool smaller than `depth` is reserved whole."""
+    pools, rng, out = category_pools(seed, Counts()), Random(f"suite:{seed}"), []
+    for cat in CATEGORIES:  # the order build_suite draws its shuffles in
+        out += [{**r, "domain": cat} for q in _queues(pools[cat], rng) for r in q[-depth:]]
+    return out
+
+
 def _take(pools: list[list[dict]], n: int, rng: Random, keep: Callable[[dict], bool]) -> list[dict]:
     """Round-robin over shuffled pools until `n` records that `keep` accepts."""
-    queues = [rng.sample(p, len(p)) for p in pools if p]
+    queues = _queues(pools, rng)
     out: list[dict] = []
     while len(out) < n and any(queues):
         for q in queues:

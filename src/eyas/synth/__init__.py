@@ -112,10 +112,24 @@ def conversations_to_run(path: str, limit: int, turns: str) -> tuple[list[Conv],
 
 @contextlib.contextmanager
 def open_engine(cfg: SynthConfig, target: Path):
-    """Endpoints (`--endpoint`), a local server (`--serve`), or vLLM in this process."""
+    """Endpoints (`--endpoint`), a local server (`--serve`), vLLM in this process, or transformers
+    in this process (`--engine hf`, batches of `concurrency`)."""
     if cfg.endpoint and cfg.serve:
         raise ValueError("--endpoint and --serve exclude each other: drive given endpoints or start one")
-    if cfg.endpoint:
+    if cfg.engine == "hf":
+        from eyas.synth.hf import HFEngine
+
+        if cfg.endpoint or cfg.serve:
+            raise ValueError("synth.engine=hf runs the target in this process: drop --endpoint / --serve")
+        if cfg.temperature > 0:
+            raise ValueError("synth.engine=hf generates greedily only: set synth.temperature=0, or use vLLM")
+        hf = HFEngine(target, device=cfg.device, dtype=cfg.dtype, max_model_len=cfg.max_model_len,
+                      batch=cfg.concurrency)
+        try:
+            yield hf
+        finally:
+            hf.close()
+    elif cfg.endpoint:
         yield EndpointEngine(cfg.endpoint, cfg.concurrency)
     elif cfg.serve:
         from eyas.synth.server import VllmServer
@@ -128,7 +142,8 @@ def open_engine(cfg: SynthConfig, target: Path):
         from eyas.synth.engines import InProcessEngine
 
         eng = InProcessEngine(str(target), max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
-                              seed=cfg.seed, enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.concurrency)
+                              seed=cfg.seed, enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.concurrency,
+                              dtype={"bf16": "bfloat16", "fp32": "float32"}.get(cfg.dtype, ""))
         try:
             yield eng
         finally:
@@ -178,9 +193,12 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
 
 
 def _key(cfg: SynthConfig, target: Path, template: str) -> dict[str, Any]:
-    return {"target": str(target.resolve()), "tokenizer_hash": tokenizer_hash(target),
-            "chat_template_hash": template_hash(template), "prompts_sha256": sha256_file(cfg.prompts),
-            **{k: getattr(cfg, k) for k in KEY_FIELDS}}
+    key = {"target": str(target.resolve()), "tokenizer_hash": tokenizer_hash(target),
+           "chat_template_hash": template_hash(template), "prompts_sha256": sha256_file(cfg.prompts),
+           **{k: getattr(cfg, k) for k in KEY_FIELDS}}
+    # the engine and dtype join the key when set (a run dir made before they existed keeps its key)
+    defaults = SynthConfig()
+    return key | {k: getattr(cfg, k) for k in ("engine", "dtype") if getattr(cfg, k) != getattr(defaults, k)}
 
 
 def synthesize(cfg: SynthConfig, engine=None) -> Path:
@@ -219,7 +237,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     write_manifest(out, "synth", cfg, complete=False, **common)
 
     failed: Counter = Counter()
-    stats = {"tokens": 0, "requests": 0, "gen_s": 0.0, "start_s": 0.0}
+    stats: dict[str, Any] = {"tokens": 0, "requests": 0, "gen_s": 0.0, "start_s": 0.0}
     engine_err: EngineError | None = None
     if todo:
         t0 = time.monotonic()
@@ -227,6 +245,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
             if engine is None:
                 engine = stack.enter_context(open_engine(cfg, target))
             stats["start_s"] = time.monotonic() - t0
+            stats["dtype"] = getattr(engine, "dtype", None)  # in-process engines: what the target runs in
             if isinstance(engine, EndpointEngine):
                 check_endpoint_template(engine, tok, template, todo[0].points[0])
             max_len = min(cfg.max_model_len, engine.max_model_len)
@@ -270,7 +289,9 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
         last_run={"requests": stats["requests"], "completion_tokens": stats["tokens"],
                   "engine_start_s": round(stats["start_s"], 2), "generate_s": round(stats["gen_s"], 2),
                   "tokens_per_s": round(tps, 1) if tps else None,
-                  "engine": "endpoint" if cfg.endpoint else "serve" if cfg.serve else "in-process",
+                  "engine": "endpoint" if cfg.endpoint else "serve" if cfg.serve else
+                  "hf" if cfg.engine == "hf" else "in-process",
+                  "dtype": stats.get("dtype"),
                   "concurrency": cfg.concurrency},
         **common,
     )

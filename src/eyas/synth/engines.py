@@ -60,7 +60,7 @@ class InProcessEngine:
 
         apply_vllm_env()
         dtype = dtype or engine_dtype()
-        self.model = str(model)
+        self.model, self.dtype = str(model), dtype
         # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
         try:
             self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
