@@ -3,6 +3,7 @@ held-out prompts and none of the SPEED-shaped suite's, shuffled so that any pref
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,3 +66,30 @@ def test_the_shipped_file_keeps_out_the_suite_and_the_recipes_eval_prompts(tmp_p
     demo_train = tmp_path / "demo" / "train.jsonl"
     suite, _ = build_suite(40, [demo_train])
     assert len(suite) == 9 * 40 and outside(suite)
+
+
+@pytest.mark.slow
+def test_the_gpu_run_in_miniature_on_the_cpu(tmp_path, tiny_llama):
+    """scripts/gpu_scale.py end to end on a CPU (the rehearsal of the GPU command): every stage inside the
+    budget, the training steps set from the probe, a servable draft and the packed parts."""
+    import gzip
+    import subprocess
+    import sys
+
+    rows = [make_record("t", "d", [U(f"tell me about topic {i}")]) for i in range(24)]
+    prompts = tmp_path / "p.jsonl.gz"
+    with gzip.open(prompts, "wt") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+    out, pack = tmp_path / "g", tmp_path / "pack"
+    res = subprocess.run([sys.executable, "scripts/gpu_scale.py", "--target", str(tiny_llama), "--prompts", str(prompts),
+                          "--out", str(out), "--device", "cpu", "--budget-s", "90", "--batch", "8", "--max-tokens", "8",
+                          "--max-model-len", "256", "--token-budget", "256", "--draft-vocab-size", "256",
+                          "--probe-steps", "3", "--reserve-s", "10", "--extract-batch-tokens", "2048",
+                          "--pack", str(pack)], capture_output=True, text=True, timeout=600,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert res.returncode == 0, res.stderr[-3000:]
+    t = json.loads((out / "timings.json").read_text())
+    assert t["synth"]["ok"] == 24 and t["extract"]["samples"] == 24 and t["train"]["steps"] >= 3
+    assert t["total_s"] < 90 + 30  # the budget, with what a stage over its share may add
+    assert json.loads((out / "draft" / "manifest.json").read_text())["complete"]
+    assert sorted(p.name for p in pack.iterdir()) == ["gpu_scale.tar.gz.00"]

@@ -471,3 +471,24 @@ def test_hf_engine_replies_equal_vllm_float32(slow_inputs, embedded_target, tmp_
     assert p.wait(timeout=600) == 0, p.stderr.read()[-3000:]
     rows = read_out(out)
     assert {i: rows[i]["messages"][-1]["content"] for i in want} == want
+
+
+def test_a_time_budget_stops_between_batches_and_the_same_command_continues(tmp_path, embedded_target, tok_template):
+    tok, _ = tok_template
+
+    class Slow(FakeEngine):
+        def generate(self, reqs, sampling, on_done=None):
+            time.sleep(0.2)
+            return super().generate(reqs, sampling, on_done)
+
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "messages": [U(f"q{i}")]} for i in range(12)])
+    cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"), concurrency=1,
+                      max_seconds=0.1)  # batches of 4 conversations: the first runs, then the budget is spent
+    eng = Slow(tok)
+    out = synthesize(cfg, engine=eng)
+    man = read_manifest(out)
+    assert len(eng.calls) == 1 and man["counts"]["ok"] == 4 and man["counts"]["pending"] == 8 and not man["complete"]
+    eng2 = Slow(tok)
+    synthesize(SynthConfig(**{**cfg.__dict__, "max_seconds": 0}), engine=eng2)  # the budget is not in the key
+    assert len(eng2.calls) == 2 and sorted(read_out(out)) == sorted(f"r{i}" for i in range(12))
+    assert read_manifest(out)["complete"]

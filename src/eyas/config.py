@@ -63,6 +63,7 @@ class SynthConfig:
     engine: Literal["vllm", "hf"] = "vllm"  # hf: transformers' batched greedy generation, where vLLM is missing
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # the target's dtype (auto: eyas.host.engine_dtype)
     device: str = "cpu"  # hf engine: where the target runs (cpu, cuda:0, ...)
+    max_seconds: float = 0  # stop starting batches after this long (0: no limit); a re-run continues
 
 
 @dataclass

@@ -262,6 +262,9 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
             t_gen = time.monotonic()
             try:
                 for i in range(0, len(todo), max(1, batch)):
+                    if cfg.max_seconds and time.monotonic() - t_gen >= cfg.max_seconds:
+                        stats["budget"] = f"stopped after {time.monotonic() - t_gen:.0f} s (synth.max_seconds)"
+                        break
                     chunk = todo[i : i + batch]
                     run_batch(engine, chunk, cfg, tok, template, max_len, on_done)
                     ok = [c for c in chunk if c.msgs and not c.error]
@@ -295,6 +298,9 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                   "concurrency": cfg.concurrency},
         **common,
     )
+    if stats.get("budget"):
+        print(f"eyas synth: {stats['budget']}: {pending} conversations pending; the same command continues",
+              file=sys.stderr)
     if tps:
         print(f"eyas synth: {stats['requests']} requests, {stats['tokens']} tokens in {stats['gen_s']:.1f} s: "
               f"{tps:.1f} tokens/s (engine start {stats['start_s']:.1f} s)", file=sys.stderr)
