@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("checkpoints", ("eyas.checkpoints",)),
     ("stages", ("eyas.data", "eyas.quant", "eyas.synth", "eyas.extract", "eyas.train", "eyas.export",
                 "eyas.evaluate")),
-    ("loop", ("eyas.serve_eval", "eyas.report")),
+    ("loop", ("eyas.serve_eval", "eyas.report", "eyas.plan")),  # plan: what a run would do, read from its dir
     ("benchmarks", ("eyas.bench",)),
     ("pipeline", ("eyas.pipeline", "eyas.testing", "eyas.scale")),
     ("cli", ("eyas.cli",)),  # names every entry above as a "module:function" string, imported when run

@@ -1,3 +1,4 @@
+from pathlib import Path
 import subprocess
 import sys
 
@@ -127,3 +128,24 @@ def test_overrides_may_follow_the_flags(capsys):
     assert "k: 4" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["config", "--recipe", "demo", "--no-such-flag"])
+
+
+def test_the_gpu_node_recipe_loads_and_sets_only_fields(capsys):
+    """recipes/gpu-node.yaml resolves (`eyas config`), every key it sets is a field, and the settings it
+    cites from public recipes are what it says."""
+    import dataclasses
+
+    import yaml
+
+    from eyas import config as C
+    from eyas.cli import main
+
+    assert main(["config", "--recipe", "gpu-node"]) == 0
+    resolved = yaml.safe_load(capsys.readouterr().out)
+    raw = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "gpu-node.yaml").read_text())
+    for section, values in raw.items():
+        fields = {f.name for f in dataclasses.fields(C.SECTIONS[section])}
+        assert set(values) <= fields, (section, set(values) - fields)
+        assert all(resolved[section][k] == v for k, v in values.items()), section
+    t = resolved["train"]
+    assert (t["ttt_steps"], t["lr"], t["draft_vocab_size"], t["source"], resolved["run"]["nproc"]) == (7, 1e-4, 32000, "online", 8)

@@ -231,6 +231,7 @@ class RunConfig:
     nproc: int = 1  # training ranks (torchrun) for `eyas run`
     trust_remote_code: bool = False  # let transformers / vLLM run the target checkpoint's own code
     language_model_only: bool = False  # a multimodal target (Kimi-K2.5) runs text-only in vLLM: no vision tower
+    plan: bool = False  # `eyas run --plan`: print what each stage would do and make here; start nothing
 
 
 @dataclass

@@ -113,6 +113,7 @@ def run(cfg: Recipe) -> dict[str, Any]:
 
 def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
     key = to_dict(cfg)  # the recipe as given; each stage claims its own subdir with its own key
+    key["run"].pop("plan", None)  # how it was asked for, not what it makes
     claim(out, "run", key, on_change="replace")  # a new dir or a run dir: never a foreign folder
     write_manifest(out, "run", cfg, key=key, complete=False)
     timings: dict[str, float] = {}
@@ -211,5 +212,10 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
     if actions:
         raise ValueError(f"`eyas run` takes no actions (got {actions}); use --recipe, --out and section.key=value")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.run.plan:
+        from eyas.plan import print_plan
+
+        print_plan(cfg)
+        return 0
     run(cfg)
     return 0
