@@ -12,7 +12,8 @@ def test_write_report_makes_json_md_and_plots(tmp_path):
         "eval_ngram": {"tokens_per_step": 1.7, "domains": {"math": {"tokens_per_step": 1.5}}},
         "serve_eval": [{"step": 10, "true_al": 1.5, "est_al": 1.8, "eval_seconds": 30.0, "sim_al": 1.45},
                        {"step": 20, "true_al": 1.9, "est_al": 2.2}],
-        "throughput": [{"concurrency": 1, "baseline_tokens_per_s": 30.0, "spec_tokens_per_s": 55.0, "speedup": 1.83}],
+        "throughput": [{"concurrency": 1, "baseline_tokens_per_s": 30.0, "spec_tokens_per_s": 55.0, "speedup": 1.83,
+                        "ngram_tokens_per_s": 60.0, "ngram_speedup": 2.0}],
         "serve_command": "vllm serve X",
     }
     paths = write_report(tmp_path, rep)
@@ -21,5 +22,7 @@ def test_write_report_makes_json_md_and_plots(tmp_path):
     assert "2.100" in md and "| math | 2.400 | 2.300 | 1.500 |" in md and "| chat | 1.900 | - | - |" in md
     assert "draft 2.050, vLLM's n-gram lookup on the same prompts 1.700" in md and "vllm serve X" in md
     assert "| 10 | 1.500 | 1.450 | 1.800 |" in md and "| 20 | 1.900 | - | 2.200 |" in md
+    assert "| 1 | 30.000 | 55.000 | 1.830 | 2.000 |" in md and "ngram speedup" in md  # n-gram beside the draft
+    assert "trainer's estimate (training batches)" in md
     for k in ("al_per_position", "al_over_training", "throughput"):
         assert paths[k].exists() and paths[k].stat().st_size > 1000

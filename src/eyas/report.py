@@ -52,14 +52,23 @@ def plot_al_per_position(per_position: list[float], out: Path, k: int | None = N
     return _save(fig, ax, out, "draft position", "acceptance rate", title, legend=False)
 
 
-def plot_al_over_training(records: list[dict[str, Any]], out: Path) -> Path:
-    """True (vLLM) vs estimated (trainer) acceptance length per checkpoint step."""
+def plot_al_over_training(records: list[dict[str, Any]], out: Path, ngram_tokens_per_step: float | None = None) -> Path:
+    """Per checkpoint step: the served AL (vLLM, held-out prompts), the simulated AL on held-out features
+    (train.holdout) and, faint, the trainer's estimate on its own training batches (optimistic by
+    construction); n-gram lookup's tokens per step on the same prompts as the bar to beat."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(5, 3.2))
+    fig, ax = plt.subplots(figsize=(5.5, 3.4))
     steps = [r["step"] for r in records]
-    ax.plot(steps, [r["true_al"] for r in records], "o-", label="true AL (vLLM)")
-    ax.plot(steps, [r["est_al"] if r.get("est_al") is not None else float("nan") for r in records], "s--",
-            label="estimated AL (trainer)")
+
+    def col(key: str) -> list[float]:
+        return [r[key] if r.get(key) is not None else float("nan") for r in records]
+
+    ax.plot(steps, col("true_al"), "o-", label="served AL (vLLM, held-out prompts)")
+    if any(r.get("sim_al") is not None for r in records):
+        ax.plot(steps, col("sim_al"), "^-", label="simulated AL (held-out features)")
+    ax.plot(steps, col("est_al"), "s:", color="lightgray", label="trainer's estimate (training batches)")
+    if ngram_tokens_per_step:
+        ax.axhline(ngram_tokens_per_step, color="gray", linestyle="--", label="n-gram lookup (tokens/step)")
     return _save(fig, ax, out, "training step", "acceptance length", "Serve-in-the-loop evaluation")
 
 
@@ -69,10 +78,17 @@ def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
     conc = [r["concurrency"] for r in rows]
     ax.plot(conc, [r["baseline_tokens_per_s"] for r in rows], "o-", label="target alone")
     ax.plot(conc, [r["spec_tokens_per_s"] for r in rows], "s-", label="target + EAGLE-3 draft")
+    for m in _baselines(rows):  # no-training proposers measured beside the draft (bench.baselines)
+        ax.plot(conc, [r.get(f"{m}_tokens_per_s", float("nan")) for r in rows], "^--", label=f"target + {m} lookup")
     ax.set_xscale("log", base=2)
     ax.set_xticks(conc)
     ax.set_xticklabels([str(c) for c in conc])
     return _save(fig, ax, out, "concurrency", "output tokens/s", "Throughput vs concurrency")
+
+
+def _baselines(rows: list[dict[str, Any]]) -> list[str]:
+    return sorted({k[: -len("_tokens_per_s")] for r in rows for k in r
+                   if k.endswith("_tokens_per_s") and k not in ("baseline_tokens_per_s", "spec_tokens_per_s")})
 
 
 def plot_learning_curve(points: list[tuple[int, float]], fit: tuple[float, float], ngram_tokens_per_step: float | None,
@@ -133,7 +149,8 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
     if per_pos:
         paths["al_per_position"] = plot_al_per_position(per_pos, out_dir / "al_per_position.png", ev.get("k"))
     if se:
-        paths["al_over_training"] = plot_al_over_training(se, out_dir / "al_over_training.png")
+        paths["al_over_training"] = plot_al_over_training(se, out_dir / "al_over_training.png",
+                                                          (report.get("eval_ngram") or {}).get("tokens_per_step"))
     if tp:
         paths["throughput"] = plot_throughput(tp, out_dir / "throughput.png")
     report = {**report, "plots": {k: str(v.name) for k, v in paths.items()}}
@@ -157,12 +174,15 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
             md += [_md_table(["position", "acceptance rate"], [[i + 1, v] for i, v in enumerate(per_pos)]), ""]
     if se:
         md += ["## Serve-in-the-loop", "", _md_table(
-            ["step", "true AL", "simulated AL (held-out features)", "trainer's estimate", "eval s"],
+            ["step", "served AL (vLLM)", "simulated AL (held-out features)", "trainer's estimate (training batches)",
+             "eval s"],
             [[r["step"], r["true_al"], _num(r.get("sim_al")), r["est_al"], r.get("eval_seconds", "")] for r in se]), ""]
     if tp:
+        extra = _baselines(tp)
         md += ["## Throughput", "", _md_table(
-            ["concurrency", "target tok/s", "spec tok/s", "speedup"],
-            [[r["concurrency"], r["baseline_tokens_per_s"], r["spec_tokens_per_s"], r["speedup"]] for r in tp]), ""]
+            ["concurrency", "target tok/s", "draft tok/s", "draft speedup"] + [f"{m} speedup" for m in extra],
+            [[r["concurrency"], r["baseline_tokens_per_s"], r["spec_tokens_per_s"], r["speedup"]]
+             + [r.get(f"{m}_speedup", "-") for m in extra] for r in tp]), ""]
     if report.get("timings"):
         md += ["## Stage timings (s)", "", _md_table(["stage", "seconds"], [[k, v] for k, v in report["timings"].items()]), ""]
     if report.get("serve_command"):
