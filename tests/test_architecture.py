@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("rules", ("eyas.stage",)),  # where a stage writes, when it skips or resumes
     ("engines", ("eyas.models", "eyas.chat")),
     ("contracts", ("eyas.acceptance", "eyas.features", "eyas.draft")),
-    ("checkpoints", ("eyas.checkpoints",)),
+    ("checkpoints", ("eyas.checkpoints", "eyas.hybrid_serve")),  # hybrid_serve: a vLLM plugin over draft.hybrid
     ("stages", ("eyas.data", "eyas.quant", "eyas.synth", "eyas.extract", "eyas.train", "eyas.export",
                 "eyas.evaluate")),
     ("loop", ("eyas.serve_eval", "eyas.report", "eyas.plan")),  # plan: what a run would do, read from its dir

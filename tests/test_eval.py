@@ -213,3 +213,29 @@ def test_served_draft_metrics(constant_target, tmp_path):
     assert c["num_drafts"] == 4 and c["num_draft_tokens"] == 12  # 2 requests x (1 + 4 + 4 tokens)
     assert 1 + c["num_accepted_tokens"] / c["num_drafts"] == pytest.approx(4.0)
     assert c["accepted_per_pos"] == [4, 4, 4]
+
+
+@pytest.mark.slow
+def test_hybrid_serves_lookup_where_the_draft_fails_and_keeps_the_output(constant_target, tmp_path, monkeypatch):
+    """A random draft (never right for a target that always emits token 0) with a lookup policy in its
+    config.json: served with eyas's plugin, prompt lookup takes the steps where it matches and its tokens
+    are accepted; the output is the target's own (17 zeros); EYAS_HYBRID=0 serves the draft alone."""
+    from eyas.acceptance import measure_acceptance
+    from eyas.hybrid_serve import parse_lookup
+
+    state, cfg = random_draft(constant_target, draft_vocab_size=1024)
+    draft = write_draft(state, cfg, tmp_path / "draft", constant_target, lookup=parse_lookup("ngram:1:2"))
+    assert json.loads((draft / "config.json").read_text())["eyas_lookup"] == {"rule": "lookup>draft", "ngram": [1, 2]}
+    prompts = [{"id": "a", "domain": "x", "messages": [{"role": "user", "content": "Say something."}]}]
+    stats = tmp_path / "hybrid.json"
+    monkeypatch.setenv("EYAS_HYBRID_STATS", str(stats))
+    hyb = measure_acceptance(constant_target, draft, prompts, k=3, max_tokens=17, kv_cache_gib=1, return_texts=True)
+    s = json.loads(stats.read_text())
+    assert s["rule"] == "lookup>draft" and s["lookup"]["steps"] > 0 and s["lookup"]["accepted"] > 0
+    assert s["draft"]["accepted"] == 0  # the random draft: nothing
+    assert hyb["tokens_per_step"] > 2 and hyb["generated_tokens"] == 17
+    stats.unlink()
+    monkeypatch.setenv("EYAS_HYBRID", "0")
+    alone = measure_acceptance(constant_target, draft, prompts, k=3, max_tokens=17, kv_cache_gib=1, return_texts=True)
+    assert not stats.exists() and alone["acceptance_length"] < 1.5
+    assert hyb["domains"]["x"]["texts"] == alone["domains"]["x"]["texts"]  # greedy: the target's text either way

@@ -95,3 +95,16 @@ def test_simulate_rules_on_a_draft_equals_the_simulator_for_the_draft_rule():
     assert (d["drafts"], d["accepted"]) == (want["num_drafts"], want["num_accepted_tokens"])
     for name in got:
         assert {x: got[name]["a"][x] + got[name]["b"][x] for x in d} == got[name]["all"]
+
+
+def test_export_lookup_policies_parse_or_say_what_is_wrong():
+    from eyas.hybrid_serve import parse_lookup, policy_of
+
+    assert parse_lookup("none") is None and parse_lookup("") is None
+    assert parse_lookup("ngram:2:4") == {"rule": "lookup>draft", "ngram": [2, 4]}
+    assert parse_lookup("ngram:1:3:lookupL>=3") == {"rule": "lookupL>=3", "ngram": [1, 3]}
+    for bad in ("ngram", "ngram:4:2", "ngram:0:2", "suffix", "ngram:2:4:sometimes"):
+        with pytest.raises(ValueError, match="ngram:MIN:MAX|unknown rule"):
+            parse_lookup(bad)
+    assert policy_of({"eyas_lookup": {"rule": "agree", "ngram": [2, 4]}}) == {"rule": "agree", "ngram": [2, 4]}
+    assert policy_of({"architectures": ["LlamaForCausalLMEagle3"]}) is None

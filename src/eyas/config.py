@@ -156,6 +156,7 @@ class ExportConfig:
     verify: bool = False  # reload the draft in vLLM with the target and decode a few tokens speculatively
     target: str = ""  # default: the target recorded in the checkpoint (not run.target)
     keep_embed: bool = False  # keep embed_tokens even when it equals the target's
+    lookup: str = "none"  # ngram:MIN:MAX[:RULE]: prompt lookup served beside the draft by eyas's vLLM plugin (eyas.hybrid_serve)
 
 
 @dataclass

@@ -31,6 +31,7 @@ from eyas.draft.spec import (
     speculators_config,
 )
 from eyas.host import ENGINE_LAYOUT, engine_dtype, thread_layout
+from eyas.hybrid_serve import POLICY_KEY, parse_lookup
 from eyas.io import atomic_write_text, plain_mode
 from eyas.lock import writing
 from eyas.manifest import read_manifest, sha256_file, sha256_text, tokenizer_hash, write_manifest
@@ -57,8 +58,10 @@ def write_draft(
     k: int = 3,
     extra: dict[str, Any] | None = None,
     key: dict[str, Any] | None = None,
+    lookup: dict[str, Any] | None = None,
 ) -> Path:
     """Write a draft dir vLLM loads unchanged (validated before it appears at `out`); returns `out`.
+    `lookup`: a prompt-lookup policy for eyas's vLLM plugin (eyas.hybrid_serve), written into config.json.
 
     `out` may be missing, empty or an earlier export (replaced whole, atomically); `key`
     (what decides the content, see `export_checkpoint`) goes into the manifest.
@@ -73,10 +76,11 @@ def write_draft(
         raise ValueError(f"format {fmt!r}: expected one of {FORMATS}")
     out, target_dir = Path(out), Path(target_dir).resolve()
     with writing(out, "eyas export"):
-        return _write_draft(state_dict, draft_config, out, target_dir, dtype, fmt, keep_embed, k, extra, key)
+        return _write_draft(state_dict, draft_config, out, target_dir, dtype, fmt, keep_embed, k, extra, key, lookup)
 
 
-def _write_draft(state_dict, draft_config, out: Path, target_dir: Path, dtype, fmt, keep_embed, k, extra, key) -> Path:
+def _write_draft(state_dict, draft_config, out: Path, target_dir: Path, dtype, fmt, keep_embed, k, extra, key,
+                 lookup) -> Path:
     import torch
     from safetensors.torch import save_file
 
@@ -123,6 +127,8 @@ def _write_draft(state_dict, draft_config, out: Path, target_dir: Path, dtype, f
         config = speculators_config(cfg, target_dir, config_dict(target_dir), k)
     else:
         config = cfg
+    if lookup:
+        config = {**config, POLICY_KEY: lookup}  # vLLM without eyas ignores it: the draft serves alone
 
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
@@ -237,14 +243,18 @@ def export_checkpoint(
     fmt: str = "vllm",
     keep_embed: bool = False,
     k: int = 3,
+    lookup: str = "none",
 ) -> Path:
     """Checkpoint dir -> draft dir (weights read by `eyas.checkpoints.load_draft_state`); skipped when
     `out` already holds this checkpoint exported with these settings (eyas.stage's rule)."""
+    policy = parse_lookup(lookup, k)
     ckpt_dir = Path(ckpt_dir)
     state, meta = load_draft_state(ckpt_dir)
     target_dir = resolve_target(target or str(meta.get("target") or "")).resolve()
     key = {"checkpoint": str(ckpt_dir.resolve()), "checkpoint_sha256": _checkpoint_hash(ckpt_dir), "dtype": dtype,
            "format": fmt, "keep_embed": keep_embed, "k": k, "target": str(target_dir)}
+    if policy:
+        key["lookup"] = policy
     if claim(Path(out), "export", key, on_change="replace").complete:
         say_complete("export", Path(out), f"{ckpt_dir.name}, {fmt}, {dtype}")
         return Path(out)
@@ -253,7 +263,7 @@ def export_checkpoint(
         draft_config["eagle_aux_hidden_state_layer_ids"] = list(meta["layer_ids"])
     extra = {"checkpoint": str(ckpt_dir), "checkpoint_step": meta.get("step")}
     return write_draft(state, draft_config, out, target_dir, dtype=dtype, fmt=fmt, keep_embed=keep_embed, k=k,
-                       extra=extra, key=key)
+                       extra=extra, key=key, lookup=policy)
 
 
 def _checkpoint_hash(ckpt_dir: Path) -> str:
@@ -275,7 +285,7 @@ def export_run(e: ExportConfig, k: int, verify: bool | None = None) -> Path:
 
 
 def _export(ckpt: Path, out: Path, e: ExportConfig, k: int, verify: bool) -> Path:
-    draft = export_checkpoint(ckpt, out, e.target, e.dtype, e.format, e.keep_embed, k)
+    draft = export_checkpoint(ckpt, out, e.target, e.dtype, e.format, e.keep_embed, k, e.lookup)
     print(f"eyas export: {ckpt} -> {draft} ({e.format}, {e.dtype})", file=sys.stderr)
     if verify:
         man = read_manifest(draft) or {}
