@@ -58,3 +58,21 @@ def test_plan_of_a_half_done_run_dir(tmp_path, capsys, embedded_target):
     assert f"<= {n * 768:,} tokens ({n} conversations x max_len 768)" in p["extract"]
     p = _plan(capsys, out, "data.sources=[humaneval]", "data.max_per_source=12", "synth.max_tokens=64")
     assert p["synth"].startswith("made with other settings (max_tokens): set aside")
+
+
+def test_a_recipe_with_its_own_prompts_mixes_nothing(tmp_path):
+    """synth.prompts and eval.prompts set: `eyas run` synthesizes from them (no data mix); one of them set: the
+    mix gives the other; no sources and no prompts: a clear error."""
+    from eyas.pipeline import _prompts
+
+    cfg = read_recipe("demo")
+    own, held = tmp_path / "mine.jsonl", tmp_path / "held.jsonl"
+    own.write_text('{"id": "a", "messages": [{"role": "user", "content": "hi"}]}\n')
+    held.write_text(own.read_text())
+    cfg.synth.prompts, cfg.eval.prompts = str(own), str(held)
+    assert _prompts(cfg, tmp_path / "run") == (own, held) and not (tmp_path / "run").exists()
+    cfg.eval.prompts, cfg.data.sources = "", []
+    import pytest
+
+    with pytest.raises(ValueError, match="data.sources is empty"):
+        _prompts(cfg, tmp_path / "run")

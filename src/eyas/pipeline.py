@@ -83,6 +83,21 @@ def _once(path: Path, key: dict[str, Any], measure, pick: str = "") -> Any:
     return got
 
 
+def _prompts(cfg: Recipe, out: Path) -> tuple[Path, Path]:
+    """(training prompts, held-out prompts): the recipe's own files (`synth.prompts`, `eval.prompts`) where
+    it names them, else the shipped sources' mix (`data.*`) into RUNDIR/data."""
+    d = cfg.data
+    own_train, own_eval = cfg.synth.prompts, cfg.eval.prompts
+    if own_train and own_eval:
+        print("eyas run: synth.prompts and eval.prompts are the recipe's own: no data mix", flush=True)
+        return Path(own_train), Path(own_eval)
+    if not d.sources:
+        raise ValueError("data.sources is empty: name shipped sources to mix, or give your own prompts as "
+                         "synth.prompts=TRAIN.jsonl and eval.prompts=HELD_OUT.jsonl")
+    paths = build_mix(d.sources, d.max_per_source, d.seed, out / "data", d.eval_fraction)
+    return Path(own_train) if own_train else paths["train"], Path(own_eval) if own_eval else paths["eval"]
+
+
 def _train(cfg: Recipe, nproc: int) -> None:
     """Train in-process (1 rank) or under torchrun (N ranks) with the same train and eval sections."""
     if nproc <= 1:
@@ -133,9 +148,7 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
         report["machine"] = machine()
 
     with _stage(timings, "data"):
-        d = cfg.data
-        paths = build_mix(d.sources, d.max_per_source, d.seed, out / "data", d.eval_fraction)
-        train_prompts, eval_prompts = paths["train"], paths["eval"]
+        train_prompts, eval_prompts = _prompts(cfg, out)
 
     with _stage(timings, "synth"):
         from eyas.synth import synthesize
@@ -154,7 +167,12 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
 
     with _stage(timings, "train"):
         t = cfg.train
-        t.target, t.features, t.out = str(serve_target), str(out / "features"), str(out / "train")
+        if t.source == "streaming":
+            raise ValueError("eyas run trains offline or online (train.source); streaming needs its producers started "
+                             "apart (`eyas extract --mode streaming`) and `eyas train` itself")
+        # offline: the features extracted above; online: the conversations, extracted inside training
+        t.features = str(out / "features") if t.source == "offline" else str(conversations)
+        t.target, t.out = str(serve_target), str(out / "train")
         t.resume = True  # the run dir's own training: a killed run continues from its last checkpoint
         cfg.eval.target, cfg.eval.prompts = str(serve_target), str(eval_prompts)  # serve-eval measures with eval.*
         again_if_changed(out, lambda: _train(cfg, cfg.run.nproc))

@@ -50,6 +50,9 @@ def _state(d: Path, differs: list[str]) -> str:
 
 def _data(cfg: Recipe, out: Path) -> tuple[str, list[dict] | None]:
     d = cfg.data
+    if cfg.synth.prompts and Path(cfg.synth.prompts).is_file():
+        recs = [r for _, r in iter_jsonl(cfg.synth.prompts)]
+        return f"the recipe's own prompts: {cfg.synth.prompts}, {_n(len(recs))} rows (counted)", recs
     train = out / "data" / "train.jsonl"
     man = read_manifest(out / "data")
     if man and man.get("complete") and train.exists():
