@@ -14,14 +14,17 @@ With `draft=None` the same run is plain decoding: the tokens/s baseline.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import tempfile
 import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 from eyas import vllm_runner
+from eyas.children import scratch_prefix
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids, validate_messages
 from eyas.host import machine
 from eyas.io import iter_jsonl
@@ -162,7 +165,9 @@ def measure_acceptance(
         "batches": [{"name": d, "conversations": c} for d, c in groups.items()],
     }
     t0 = time.perf_counter()
-    res = vllm_runner.run(spec, timeout=timeout, log_path=log_path)
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix("hybrid")) as tmp:
+        env = {"EYAS_HYBRID_STATS": str(Path(tmp) / "hybrid.json")} if _lookup_policy(draft) else None
+        res = vllm_runner.run(spec, timeout=timeout, log_path=log_path, env=env)
     wall = time.perf_counter() - t0
     kk = int(k) if draft else None
 
@@ -187,6 +192,8 @@ def measure_acceptance(
         }
         if return_texts:
             domains[b["name"]]["texts"] = b["texts"]
+        if "hybrid" in b:
+            domains[b["name"]]["hybrid"] = b["hybrid"]
     consistent = not draft or total["num_draft_tokens"] == total["num_drafts"] * int(k)
     if not consistent:  # vLLM proposed fewer than k tokens in some steps: AL is still 1 + accepted / drafts
         print(f"eyas eval: warning: {total['num_draft_tokens']} draft tokens for {total['num_drafts']} drafts "
@@ -208,5 +215,23 @@ def measure_acceptance(
         "wall_seconds": wall,
         "counters_consistent": consistent,  # num_draft_tokens == k * num_drafts
         **summarize(total, kk),
+        **({"hybrid": _sum_hybrid(domains.values())} if any("hybrid" in d for d in domains.values()) else {}),
         "domains": domains,
     }
+
+
+def _lookup_policy(draft: str | None) -> dict[str, Any] | None:
+    """The prompt-lookup policy an exported draft's config.json names (eyas.hybrid_serve), or None."""
+    if not draft or is_ngram(draft) or not (Path(draft) / "config.json").exists():
+        return None
+    return json.loads((Path(draft) / "config.json").read_text()).get("eyas_lookup")
+
+
+def _sum_hybrid(domains) -> dict[str, dict[str, int]]:
+    """Per-source steps and accepted tokens over every domain's batch: which proposer paid."""
+    out = {s: {"steps": 0, "accepted": 0} for s in ("draft", "lookup")}
+    for d in domains:
+        for s, c in (d.get("hybrid") or {}).items():
+            for x, v in c.items():
+                out[s][x] += v
+    return out

@@ -10,7 +10,7 @@ the target's own tokens: the output is the target's whatever is proposed).
 
     config.json  "eyas_lookup": {"rule": "lookup>draft", "ngram": [2, 4]}    (eyas export --lookup)
     EYAS_HYBRID=0                     serve the draft alone (vLLM without eyas does the same)
-    EYAS_HYBRID_STATS=FILE            per-source counts, rewritten each step: steps, proposals, accepted
+    EYAS_HYBRID_STATS=FILE            per-source counts, rewritten each step: verified proposals, accepted tokens
 
 A request's history at this point (before vLLM's bookkeeping, in the padded-batch path it drafts in)
 is `input_batch.token_ids_cpu[i, :num_tokens_no_spec[i]]` plus its valid sampled tokens this step;
@@ -85,7 +85,8 @@ class Hybrid:
             valid = [int(t) for t in rows[i] if t >= 0] if i < len(rows) else []
             if not valid or bool(runner.discard_request_mask.np[i]):
                 continue
-            if req_id in self.prev:
+            if req_id in self.prev:  # its last proposal was verified this step: count it for its source
+                self.stats[self.prev[req_id]]["steps"] += 1
                 self.stats[self.prev[req_id]]["accepted"] += len(valid) - 1
             n = int(batch.num_tokens_no_spec[i])
             hist = batch.token_ids_cpu[i, :n].astype(np.int32)
@@ -101,7 +102,6 @@ class Hybrid:
             else:
                 source = "draft"
             self.prev[req_id] = source
-            self.stats[source]["steps"] += 1
         live = set(batch.req_ids)
         self.prev = {r: s for r, s in self.prev.items() if r in live}
         if self.stats_path:

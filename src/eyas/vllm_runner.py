@@ -137,7 +137,7 @@ def main(spec_path: str, result_path: str) -> None:
     )
     result: dict[str, Any] = {"load_seconds": load_s, "batches": [], "spec": {k: v for k, v in spec.items() if k != "batches"}}
     for batch in spec["batches"]:
-        before = read_counters(llm)
+        before, hyb_before = read_counters(llm), _hybrid_stats()
         t = time.perf_counter()
         outs = llm.chat(batch["conversations"], params, use_tqdm=False)
         secs = time.perf_counter() - t
@@ -153,10 +153,26 @@ def main(spec_path: str, result_path: str) -> None:
                 "texts": [o.outputs[0].text for o in outs] if spec.get("return_texts", True) else [],
             }
         )
+        if hyb_before is not None:  # the draft served with prompt lookup beside it (eyas.hybrid_serve)
+            now = _hybrid_stats() or {}
+            result["batches"][-1]["hybrid"] = {s: {x: now.get(s, {}).get(x, 0) - hyb_before.get(s, {}).get(x, 0)
+                                                   for x in ("steps", "accepted")} for s in ("draft", "lookup")}
         if spec.get("return_token_ids"):
             result["batches"][-1].update(prompt_token_ids=[list(o.prompt_token_ids) for o in outs],
                                          token_ids=[list(o.outputs[0].token_ids) for o in outs])
     atomic_write_text(result_path, json.dumps(result))
+
+
+def _hybrid_stats() -> dict[str, Any] | None:
+    """The hybrid's per-source counts so far (EYAS_HYBRID_STATS, written by the worker each step), {} before
+    its first step; None when no stats file was asked for."""
+    path = os.environ.get("EYAS_HYBRID_STATS")
+    if not path:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def root_causes(log_text: str, n: int = 8) -> str:
