@@ -108,3 +108,25 @@ def test_export_lookup_policies_parse_or_say_what_is_wrong():
             parse_lookup(bad)
     assert policy_of({"eyas_lookup": {"rule": "agree", "ngram": [2, 4]}}) == {"rule": "agree", "ngram": [2, 4]}
     assert policy_of({"architectures": ["LlamaForCausalLMEagle3"]}) is None
+
+
+def test_bench_rules_on_features_without_serving(tmp_path, tiny_llama):
+    """`eyas bench rules` end to end but the vLLM part: a random draft's held-out features, every rule's
+    tokens per step overall and per domain, the pure rules first."""
+    from test_extract import write_convs
+
+    from eyas.bench.rules import bench_rules
+    from eyas.config import ExtractConfig
+    from eyas.draft.contract import random_draft
+    from eyas.export import write_draft
+    from eyas.extract import extract
+
+    write_convs(tmp_path / "convs.jsonl", 8)
+    extract(ExtractConfig(target=str(tiny_llama), data=str(tmp_path / "convs.jsonl"), out=str(tmp_path / "feat"),
+                          compute_dtype="fp32", layer_ids=[1, 2, 3]))
+    state, cfg = random_draft(tiny_llama, draft_vocab_size=512)
+    draft = write_draft(state, cfg, tmp_path / "draft", tiny_llama)
+    res = bench_rules(tiny_llama, draft, tmp_path / "feat", 3, ["lookup>draft", "agree"], limit=4, serve=False)
+    assert list(res["tokens_per_step"]) == ["draft", "lookup", "lookup>draft", "agree"]
+    assert all(per["all"] >= 1.0 and set(per) == {"all", "pydoc"} for per in res["tokens_per_step"].values())
+    assert res["table"].splitlines()[2].startswith("| draft |") and "served" not in res

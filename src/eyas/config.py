@@ -201,7 +201,7 @@ class BenchConfig:
     out: str = ""
     prompts: str = ""  # eval prompts JSONL (default: the held-out split of the data mix)
     what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated", "levers",
-                  "curve"] = "al"
+                  "curve", "rules"] = "al"
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     context_buckets: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])  # `bench al`: prompt tokens
     per_bucket: int = 8
@@ -220,6 +220,8 @@ class BenchConfig:
     levers: list[str] = field(default_factory=list)  # `bench levers` rows: "NAME: section.key=value, ..."
     curve_samples: list[int] = field(default_factory=lambda: [60, 120, 240, 0])  # `bench curve`: train.max_samples
     curve_steps: list[int] = field(default_factory=list)  # `bench curve`: train.max_steps per point (default: train's)
+    rules: list[str] = field(default_factory=lambda: ["lookup>draft", "lookupL>=3", "lookupL>=4", "conf<0.3",
+                                                      "conf<0.5", "agree"])  # `bench rules` (eyas.draft.hybrid)
 
 
 @dataclass

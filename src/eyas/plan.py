@@ -10,7 +10,6 @@ when it is already on disk.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from eyas.config import Recipe
 from eyas.io import iter_jsonl

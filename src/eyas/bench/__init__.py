@@ -12,6 +12,8 @@
                 by vLLM on the held-out prompts, beside the baseline and n-gram prompt lookup
     curve       the learning curve: true AL against generated tokens (nested feature subsets), its
                 fit and the data it predicts for AL 2.0 / 2.5 / 3.0
+    rules       the draft or prompt lookup per step: each `bench.rules` rule simulated on held-out
+                features, the pure draft and lookup also served in vLLM on the same turns
 
 Every result names the machine it ran on (`eyas.host.machine()`), printed first and
 stored under "machine" in `bench_<what>.json`.
@@ -130,7 +132,7 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
     b = cfg.bench
     target = resolve_target(b.target)
     print(f"bench {what}: machine: {machine_line()}", flush=True)
-    if what in ("al", "throughput", "simulated") and not b.draft:
+    if what in ("al", "throughput", "simulated", "rules") and not b.draft:
         raise ValueError(f"eyas bench {what} needs --draft DIR (an exported draft, e.g. RUNDIR/draft)")
     if what == "al":
         res = _bench_al(cfg, target)
@@ -169,6 +171,13 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
         if not cfg.train.features:
             raise ValueError("eyas bench simulated needs train.features=FEAT (a feature dir; its conversations are replayed)")
         res = bench_simulated(target, Path(b.draft), Path(cfg.train.features), cfg.eval.k, b.limit, cfg.train.holdout)
+    elif what == "rules":
+        from eyas.bench.rules import bench_rules
+
+        if not cfg.train.features:
+            raise ValueError("eyas bench rules needs train.features=FEAT (the draft's feature dir: its held-out samples)")
+        res = bench_rules(target, Path(b.draft), Path(cfg.train.features), cfg.eval.k, b.rules, limit=b.limit,
+                          holdout=cfg.train.holdout)
     elif what == "threads":
         from eyas.bench.threads import bench_threads
 

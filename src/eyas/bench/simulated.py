@@ -27,9 +27,9 @@ from eyas.io import iter_jsonl
 from eyas.stage import input_manifest
 
 
-def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: int = 16,
-                    holdout: int = 0) -> dict[str, Any]:
-    """Simulated and vLLM AL on the `holdout` samples the trainer held out, else the first `limit`."""
+def held_out_samples(features: Path, limit: int, holdout: int) -> tuple[Any, list[int], Path, int]:
+    """(the feature dataset, the indices of the `holdout` samples the trainer held out, else of the first
+    `limit`, the conversations file they were made from, the synthesis' max_tokens)."""
     from eyas.train.data import OfflineSource
 
     ds = open_features(features)
@@ -38,6 +38,13 @@ def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: in
     max_tokens = int((made_by.get("config") or {}).get("max_tokens") or 128)
     picked = OfflineSource(features, ds.manifest.get("max_len") or 2048, holdout).heldout if holdout else \
         list(range(min(limit, len(ds)) if limit else len(ds)))
+    return ds, picked, conv_path, max_tokens
+
+
+def bench_simulated(target: Path, draft: Path, features: Path, k: int, limit: int = 16,
+                    holdout: int = 0) -> dict[str, Any]:
+    """Simulated and vLLM AL on the `holdout` samples the trainer held out, else the first `limit`."""
+    ds, picked, conv_path, max_tokens = held_out_samples(features, limit, holdout)
     ids = [ds.ids[i] for i in picked]
     model = load_exported(draft, target)
     t0 = time.perf_counter()
