@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 EXTRAS=${EYAS_EXTRAS:-cpu,dev,quant}
 STAMP=.venv/.eyas-installed
-want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1) $EXTRAS"
+want="$(cat pyproject.toml scripts/setup.sh scripts/build_arctic.sh | sha256sum | cut -d' ' -f1) $EXTRAS"
 if [[ -f $STAMP && "$(cat $STAMP)" == "$want" ]]; then exit 0; fi
 [[ -x .venv/bin/python ]] || "$PY" -m venv .venv
 .venv/bin/python -m pip install --quiet --upgrade pip 2>&1 | grep -v "is ignored" || true
@@ -17,6 +17,10 @@ if [[ -f $STAMP && "$(cat $STAMP)" == "$want" ]]; then exit 0; fi
 if [[ ",$EXTRAS," == *",cpu,"* ]]; then
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   .venv/bin/python -c "import vllm" 2>/dev/null || { echo "setup: vllm failed to import" >&2; exit 1; }
+  # suffix decoding, a second no-training baseline: optional (EYAS_SUFFIX=0 skips it); without it eyas skips suffix
+  if [[ ${EYAS_SUFFIX:-1} != 0 ]]; then
+    bash scripts/build_arctic.sh || echo "setup: arctic-inference did not build: suffix decoding is skipped (n-gram stays)" >&2
+  fi
 fi
 echo "$want" > $STAMP
 echo "setup: .venv ready ($EXTRAS)" >&2

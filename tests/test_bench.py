@@ -110,3 +110,24 @@ def test_sweep_against_real_servers(vllm_target):
             assert r["tokens_per_decode_step"] >= 1.0
     assert {(r["method"], r["k"], r["concurrency"]) for r in res["rows"]} == {("ngram", k, c) for k in (1, 2) for c in (1, 2)}
     assert [r["concurrency"] for r in res["recommended"]] == [1, 2]
+
+
+def test_greedy_mismatches_count_replies_that_leave_the_target_alone():
+    """bench al's equality check: per method, replies differing from the target alone's (same prompts, same
+    order), and the tokens each kept before its first difference; the token ids leave the reports."""
+    from eyas.bench.acceptance import format_tables, greedy_mismatches
+
+    def rep(ids, dtype="float32"):
+        return {"dtype": dtype, "domains": {"chat": {"token_ids": ids[:2]}, "math": {"token_ids": ids[2:]}}}
+
+    ref = [[1, 2, 3], [4, 5], [6, 7, 8]]
+    reports = {"none": rep(ref), "ngram": rep([[1, 2, 3], [4, 5], [6, 7, 8]]),
+               "draft": rep([[1, 2, 9], [4, 5, 6], [6, 7, 8]], "bfloat16")}
+    g = greedy_mismatches(reports)
+    assert g == {"ngram": {"replies": 3, "differ": 0, "tokens_before_first_difference": 0, "dtype": "float32"},
+                 "draft": {"replies": 3, "differ": 2, "tokens_before_first_difference": 2 + 2, "dtype": "bfloat16"}}
+    assert all("token_ids" not in d for r in reports.values() for d in r["domains"].values())
+    res = {"methods": {}, "categories": [], "buckets": [], "headline": {}, "greedy_mismatches": g}
+    res["methods"] = {m: {"domains": {}, "per_pos": [0.5]} for m in ("ngram", "draft")}
+    res["headline"] = {m: {"mean_al": None, "mean_tokens_per_decode_step": None} for m in ("ngram", "draft")}
+    assert "| draft | 2 / 3 | bfloat16 |" in format_tables(res)

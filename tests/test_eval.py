@@ -216,16 +216,21 @@ def test_served_draft_metrics(constant_target, tmp_path):
 
 
 @pytest.mark.slow
-def test_hybrid_serves_lookup_where_the_draft_fails_and_keeps_the_output(constant_target, tmp_path, monkeypatch):
+@pytest.mark.parametrize("lookup", ["ngram:1:2", "suffix"])
+def test_hybrid_serves_lookup_where_the_draft_fails_and_keeps_the_output(constant_target, tmp_path, monkeypatch, lookup):
     """A random draft (never right for a target that always emits token 0) with a lookup policy in its
-    config.json: served with eyas's plugin, prompt lookup takes the steps where it matches and its tokens
-    are accepted; the output is the target's own (17 zeros); EYAS_HYBRID=0 serves the draft alone."""
+    config.json (vLLM's n-gram matcher, or suffix decoding's trees): served with eyas's plugin, the lookup
+    takes the steps where it matches and its tokens are accepted; the output is the target's own (17
+    zeros); EYAS_HYBRID=0 serves the draft alone."""
     from eyas.acceptance import measure_acceptance
     from eyas.hybrid_serve import parse_lookup
+    from eyas.vllm_runner import suffix_available
 
+    if lookup == "suffix" and suffix_available():
+        pytest.skip(suffix_available())
     state, cfg = random_draft(constant_target, draft_vocab_size=1024)
-    draft = write_draft(state, cfg, tmp_path / "draft", constant_target, lookup=parse_lookup("ngram:1:2"))
-    assert json.loads((draft / "config.json").read_text())["eyas_lookup"] == {"rule": "lookup>draft", "ngram": [1, 2]}
+    draft = write_draft(state, cfg, tmp_path / "draft", constant_target, lookup=parse_lookup(lookup))
+    assert json.loads((draft / "config.json").read_text())["eyas_lookup"] == parse_lookup(lookup)
     prompts = [{"id": "a", "domain": "x", "messages": [{"role": "user", "content": "Say something."}]}]
     hyb = measure_acceptance(constant_target, draft, prompts, k=3, max_tokens=17, kv_cache_gib=1, return_texts=True)
     s = hyb["hybrid"]  # per source, from the worker's counts (EYAS_HYBRID_STATS, set by measure_acceptance)

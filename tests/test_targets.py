@@ -176,6 +176,31 @@ def test_sigmoid_router_defect_and_workaround():
 
 
 @pytest.mark.slow
+def test_spec_sampling_expand_defect_and_workaround():
+    """SPEC_SAMPLING_EXPAND: with vLLM CPU's kernel overrides, the rejection sampler's own
+    expand_batch_to_tokens leaves a float32 result unwritten (the defect); the PyTorch expansion eyas's
+    plugin installs gives each request's value over its draft positions, for float and int tensors.
+    (The engine-level check: tests/test_hybrid.py::test_sampling_with_the_hybrid_keeps_the_targets_distribution.)"""
+    from vllm.platforms import current_platform
+    from vllm.v1.sample import rejection_sampler
+
+    from eyas.vllm_fixes import expand_batch_to_tokens, register
+
+    current_platform.register_triton_kernel_overrides()  # what vLLM CPU's worker does
+    original = rejection_sampler.expand_batch_to_tokens
+    original = getattr(original, "eyas_original", original)  # vLLM's, also after an earlier register()
+    temps, cu = torch.tensor([0.7, 0.0, 2.5]), torch.tensor([2, 3, 6], dtype=torch.int32)
+    want = torch.tensor([0.7, 0.7, 1.0, 2.5, 2.5, 2.5])
+    got = original(temps, cu, 6, replace_from=0, replace_to=1)
+    assert not torch.equal(got, want)  # the defect: still there in this vLLM
+    assert torch.equal(expand_batch_to_tokens(temps, cu, 6, replace_from=0, replace_to=1), want)
+    top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
+    assert expand_batch_to_tokens(top_k, cu, 6).tolist() == [5, 5, 0, 7, 7, 7]
+    register()
+    assert rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("fixes", ["1", "0"])
 def test_gpt_oss_quark_mxfp4_experts_in_vllm(tmp_path, embedded_target, monkeypatch, fixes):
     """GPTOSS_QUARK_SWIGLU: a gpt-oss with Quark MXFP4 experts (eyas quantize, layers=experts), served by

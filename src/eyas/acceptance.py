@@ -26,9 +26,9 @@ from typing import Any
 from eyas import vllm_runner
 from eyas.children import scratch_prefix
 from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids, validate_messages
-from eyas.host import machine
+from eyas.host import engine_dtype, machine
 from eyas.io import iter_jsonl
-from eyas.vllm_runner import COUNTERS, PER_POS, is_ngram, ngram_lengths
+from eyas.vllm_runner import COUNTERS, PER_POS, is_lookup, is_ngram, ngram_lengths
 
 
 def load_prompts(path: str | os.PathLike, limit: int = 0) -> list[dict[str, Any]]:
@@ -134,6 +134,7 @@ def measure_acceptance(
     timeout: float = 3600,
     log_path: str | os.PathLike | None = None,
     return_texts: bool = False,
+    return_token_ids: bool = False,
     enforce_eager: bool = True,
     gpu_memory_utilization: float | None = None,
 ) -> dict[str, Any]:
@@ -161,6 +162,7 @@ def measure_acceptance(
         "kv_cache_gib": kv_cache_gib,
         "enforce_eager": enforce_eager,
         "return_texts": return_texts,
+        "return_token_ids": return_token_ids,  # each reply's ids per domain: greedy equality checks
         "gpu_memory_utilization": gpu_memory_utilization,  # on GPU beside a trainer: leave it room
         "batches": [{"name": d, "conversations": c} for d, c in groups.items()],
     }
@@ -192,6 +194,8 @@ def measure_acceptance(
         }
         if return_texts:
             domains[b["name"]]["texts"] = b["texts"]
+        if return_token_ids:
+            domains[b["name"]]["token_ids"] = b["token_ids"]
         if "hybrid" in b:
             domains[b["name"]]["hybrid"] = b["hybrid"]
     consistent = not draft or total["num_draft_tokens"] == total["num_drafts"] * int(k)
@@ -202,6 +206,7 @@ def measure_acceptance(
         "target": str(target),
         "draft": draft,
         "machine": machine(),
+        "dtype": engine_dtype(None if is_lookup(draft) else draft),
         "k": kk,
         "n_prompts": len(prompts),
         "skipped_too_long": skipped,
@@ -222,7 +227,7 @@ def measure_acceptance(
 
 def _lookup_policy(draft: str | None) -> dict[str, Any] | None:
     """The prompt-lookup policy an exported draft's config.json names (eyas.hybrid_serve), or None."""
-    if not draft or is_ngram(draft) or not (Path(draft) / "config.json").exists():
+    if not draft or is_lookup(draft) or not (Path(draft) / "config.json").exists():
         return None
     return json.loads((Path(draft) / "config.json").read_text()).get("eyas_lookup")
 

@@ -156,7 +156,8 @@ class ExportConfig:
     verify: bool = False  # reload the draft in vLLM with the target and decode a few tokens speculatively
     target: str = ""  # default: the target recorded in the checkpoint (not run.target)
     keep_embed: bool = False  # keep embed_tokens even when it equals the target's
-    lookup: str = "none"  # ngram:MIN:MAX[:RULE]: prompt lookup served beside the draft by eyas's vLLM plugin (eyas.hybrid_serve)
+    lookup: str = "none"  # ngram:MIN:MAX[:RULE]: prompt lookup served beside the draft by eyas's vLLM plugin (eyas.hybrid_serve); auto (eyas run): the best of lookup_candidates on the eval prompts, if it beats the draft alone
+    lookup_candidates: list[str] = field(default_factory=lambda: ["ngram:2:4:lookup>draft", "ngram:3:4:lookup>draft"])
 
 
 @dataclass
@@ -210,7 +211,10 @@ class BenchConfig:
     per_category: int = 40  # `bench al`: prompts per suite category (eyas.bench.suite)
     categories: list[str] = field(default_factory=list)  # `bench al`: suite categories (default: all)
     exclude: list[str] = field(default_factory=list)  # training splits no suite prompt may be in (default: RUN/data/train.jsonl beside --draft, else the recipe's mix)
-    baselines: list[str] = field(default_factory=lambda: ["ngram"])  # no-training proposers measured beside the draft
+    # measured beside the draft: none (the target alone: `bench al` counts greedy replies that differ from its),
+    # ngram[:MIN:MAX], suffix (where arctic-inference is built), hybrid[:ngram:MIN:MAX[:RULE]] (the draft with
+    # prompt lookup: its exported policy, else ngram:2:4)
+    baselines: list[str] = field(default_factory=lambda: ["none", "ngram", "suffix", "hybrid"])
     sweep_k: bool = False  # `bench throughput`: every k of k_values at every sweep_concurrency
     k_values: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5])
     sweep_concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16, 32])

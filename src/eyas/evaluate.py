@@ -16,7 +16,7 @@ from eyas.config import EvalConfig, RunConfig
 from eyas.draft.contract import validate_draft
 from eyas.io import atomic_write_text
 from eyas.models import resolve_target
-from eyas.vllm_runner import is_ngram
+from eyas.vllm_runner import is_lookup
 
 
 def format_table(rep: dict[str, Any]) -> str:
@@ -44,7 +44,7 @@ def evaluate(e: EvalConfig) -> dict[str, Any]:
         raise ValueError("eyas eval needs --prompts FILE.jsonl ({'id', 'domain', 'messages'} rows)")
     target = resolve_target(e.target)
     draft = None if str(e.draft).lower() == "none" else e.draft
-    if draft is not None and not is_ngram(draft):
+    if draft is not None and not is_lookup(draft):
         validate_draft(draft, target)
     prompts = load_prompts(e.prompts, e.limit)
     print(f"eyas eval: {len(prompts)} prompts, target {target}, draft {draft}, k={e.k}", file=sys.stderr)

@@ -215,6 +215,10 @@ def serve_command(target: str | os.PathLike, draft: str | os.PathLike, k: int = 
     import shlex
 
     gpu = shlex.join(serve_argv(target, draft, k))
+    cfg_path = Path(draft) / "config.json"
+    if cfg_path.exists() and POLICY_KEY in json.loads(cfg_path.read_text()):
+        # the hybrid (eyas.hybrid_serve) wraps the V1 model runner; GPUs default to Model Runner V2
+        gpu = "VLLM_USE_V2_MODEL_RUNNER=0 " + gpu
     cpu_target = emulated if (quantized and emulated) else target
     cpu_argv = serve_argv(cpu_target, draft, k, cpu=True)
     cpu_argv[0] = "python"

@@ -32,6 +32,8 @@ from eyas.data import build_mix
 from eyas.evaluate import evaluate
 from eyas.export import export_run, serve_command
 from eyas.host import machine
+from eyas.hybrid_serve import parse_lookup, policy_of, policy_spec, with_policy
+from eyas.vllm_runner import SUFFIX, suffix_available
 from eyas.io import atomic_write_text
 from eyas.lock import held_env, writing
 from eyas.manifest import read_manifest, sha256_file, write_manifest
@@ -119,6 +121,28 @@ def _train(cfg: Recipe, nproc: int) -> None:
                          "re-run the same command to resume from the last checkpoint")
 
 
+def _slug(spec: str) -> str:
+    return "hybrid_" + spec.replace(":", "_").replace(">=", "ge").replace(">", "_over_")
+
+
+def _picked_lookup(out: Path) -> str:
+    """The policy an earlier `export.lookup: auto` exported into this run dir (none before the first pick)."""
+    p = out / "lookup.json"
+    return str(json.loads(p.read_text()).get("exported") or "none") if p.exists() else "none"
+
+
+def _pick(alone: dict[str, Any], hybrids: dict[str, dict[str, Any]], auto: bool) -> dict[str, Any]:
+    """Tokens per target step of the draft alone and with each lookup policy on the same prompts, and the one
+    exported: the best hybrid where it beats the draft alone (auto), else none."""
+    tps = {spec: r.get("tokens_per_step") or 0.0 for spec, r in hybrids.items()}
+    best = max(tps, key=lambda s: tps[s])
+    base = alone.get("tokens_per_step") or 0.0
+    won = tps[best] > base
+    return {"draft_alone": base, "candidates": tps, "best": best, "gain": tps[best] / base - 1 if base else None,
+            "exported": (best if won else "none") if auto else best,
+            "sources": {spec: r.get("hybrid") for spec, r in hybrids.items()}}
+
+
 def run(cfg: Recipe) -> dict[str, Any]:
     """Every stage into the run dir `cfg.run.out`, held by this process alone (`eyas.lock`) throughout."""
     out = output_dir(cfg.run.out, "--out").resolve()
@@ -180,6 +204,9 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
     with _stage(timings, "export"):
         x = cfg.export
         x.run, x.out, x.target = str(out / "train"), str(out / "draft"), str(serve_target)
+        auto = x.lookup == "auto"
+        if auto:  # an earlier run's pick, re-checked below against this draft's weights
+            x.lookup = _picked_lookup(out)
         draft = Path(export_run(x, cfg.eval.k))
 
     # what a measurement depends on: the served target, the draft's weights, the prompts
@@ -188,12 +215,35 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
 
     with _stage(timings, "eval"):
         v = cfg.eval
-        v.draft, v.out = str(draft), str(out / "eval.json")
-        report["eval"] = _once(out / "eval.json", {**measured, "eval": to_dict(v)}, lambda: evaluate(v))
+        policy = policy_of(json.loads((draft / "config.json").read_text()))
+        # the draft alone (its exported lookup policy, if any, stripped in a served copy of links)
+        v.draft, v.out = str(with_policy(draft, None) if policy else draft), str(out / "eval.json")
+        how = {**to_dict(v), "draft": "draft"}  # keyed by the weights, not by where they are served from
+        report["eval"] = _once(out / "eval.json", {**measured, "eval": how}, lambda: evaluate(v))
         if v.ngram:  # prompt lookup on the same prompts: tokens per target step, side by side in the report
             vn = dataclasses.replace(v, draft="ngram", out=str(out / "eval_ngram.json"))
             report["eval_ngram"] = _once(out / "eval_ngram.json", {**measured, "draft": "ngram", "eval": to_dict(vn)},
                                          lambda: evaluate(vn))
+            why = suffix_available()
+            if why:
+                print(f"eyas run: suffix decoding not measured: {why}", flush=True)
+            else:  # Arctic Inference's suffix trees (vLLM method "suffix"), the other no-training proposer
+                vs = dataclasses.replace(v, draft=SUFFIX, out=str(out / "eval_suffix.json"))
+                report["eval_suffix"] = _once(out / "eval_suffix.json",
+                                              {**measured, "draft": SUFFIX, "eval": to_dict(vs)}, lambda: evaluate(vs))
+        cands = list(dict.fromkeys(x.lookup_candidates if auto else ([policy_spec(policy)] if policy else [])))
+        hybrids = {}
+        for spec in cands:  # the draft with prompt lookup beside it (eyas.hybrid_serve), one policy each
+            pol = parse_lookup(spec, v.k)
+            vh = dataclasses.replace(v, draft=str(with_policy(draft, pol)), out=str(out / f"eval_{_slug(spec)}.json"))
+            hybrids[spec] = _once(Path(vh.out), {**measured, "lookup": pol, "eval": how}, lambda vh=vh: evaluate(vh))
+        if hybrids:
+            report["lookup"] = _pick(report["eval"], hybrids, auto)
+        if auto:
+            if report["lookup"]["exported"] != x.lookup:  # export again with the winner (the same weights)
+                x.lookup = report["lookup"]["exported"]
+                draft = Path(export_run(x, cfg.eval.k))
+            atomic_write_text(out / "lookup.json", json.dumps(report["lookup"], indent=2) + "\n")
 
     with _stage(timings, "bench"):
         from eyas.bench.acceptance import domain_prompts

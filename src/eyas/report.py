@@ -161,17 +161,32 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
     if ev:
         md += [f"**Acceptance length (vLLM, k={ev.get('k')}, greedy, held-out prompts): "
                f"{ev.get('acceptance_length', float('nan')):.3f}**", ""]
+        sx = report.get("eval_suffix") or {}
         if ng:
             md += [f"Tokens per target step: draft {_num(ev.get('tokens_per_step'))}, vLLM's n-gram lookup on the "
-                   f"same prompts {_num(ng.get('tokens_per_step'))} (no training: the bar a draft has to beat)", ""]
+                   f"same prompts {_num(ng.get('tokens_per_step'))}"
+                   + (f", suffix decoding {_num(sx.get('tokens_per_step'))}" if sx else "")
+                   + " (no training: the bar a draft has to beat)", ""]
         if per_domain:
             doms = ev.get("domains") or {}
-            ngd = ng.get("domains") or {}
-            md += [_md_table(["domain", "AL", "tokens/step", "n-gram tokens/step"],
-                             [[d, v, _num(doms[d].get("tokens_per_step")), _num((ngd.get(d) or {}).get("tokens_per_step"))]
+            base = {"n-gram": ng.get("domains") or {}, **({"suffix": sx.get("domains") or {}} if sx else {})}
+            md += [_md_table(["domain", "AL", "tokens/step"] + [f"{b} tokens/step" for b in base],
+                             [[d, v, _num(doms[d].get("tokens_per_step"))]
+                              + [_num((bd.get(d) or {}).get("tokens_per_step")) for bd in base.values()]
                               for d, v in sorted(per_domain.items())]), ""]
         if per_pos:
             md += [_md_table(["position", "acceptance rate"], [[i + 1, v] for i, v in enumerate(per_pos)]), ""]
+    lk = report.get("lookup") or {}
+    if lk:
+        src = lk.get("sources") or {}
+        md += ["## The draft with prompt lookup beside it (one server, eyas.hybrid_serve)", "",
+               f"Exported policy: **{lk.get('exported')}** (best {lk.get('best')}: "
+               f"{_num(lk['candidates'].get(lk.get('best')))} tokens per target step against the draft alone's "
+               f"{_num(lk.get('draft_alone'))}, {100 * (lk.get('gain') or 0):+.1f}%)", "",
+               _md_table(["policy", "tokens/step", "lookup steps", "lookup accepted", "draft steps", "draft accepted"],
+                         [[spec, t, *[((src.get(spec) or {}).get(s_) or {}).get(x, "-")
+                                      for s_ in ("lookup", "draft") for x in ("steps", "accepted")]]
+                          for spec, t in lk["candidates"].items()]), ""]
     if se:
         md += ["## Serve-in-the-loop", "", _md_table(
             ["step", "served AL (vLLM)", "simulated AL (held-out features)", "trainer's estimate (training batches)",

@@ -27,6 +27,16 @@ Workarounds (CPU only; GPUs run these architectures natively):
                     dequantized copy's). Fix (the same plugin): the method fills in gpt-oss's constants
                     (alpha 1.702, beta 1.0, limit 7.0, what vLLM's own gpt-oss MXFP4 method hardcodes).
 
+    SPEC_SAMPLING_EXPAND  vLLM 0.32.0 CPU: speculative decoding with temperature > 0 samples from
+                    garbage. The rejection sampler spreads each request's temperature (and top-k / top-p)
+                    over its draft positions with `expand_batch_to_tokens`, whose CPU kernel override
+                    (`cpu_triton_utils._expand_kernel_impl`) casts the float32 output to an int64 copy,
+                    writes the copy and drops it: the target's logits are divided by uninitialized memory
+                    (NaN, 0 or huge), so drafts are rejected and "recovered" tokens drawn from nonsense
+                    (n-gram at temperature 1 on a two-token target: 1 in 4 tokens outside the two).
+                    Greedy decoding never calls it. Fix (the plugin): the same expansion in PyTorch
+                    (`repeat_interleave`), for every dtype.
+
 A limit with no workaround (eyas stops with `DraftNotServable` before vLLM starts; EYAS_VLLM_FIXES=0
 lets vLLM try, which is how tests/test_targets.py shows the limit is still there):
 
@@ -187,9 +197,26 @@ def _quark_swiglu(orig):
     return get_fused_moe_quant_config
 
 
+def expand_batch_to_tokens(x: Any, cu_num_tokens: Any, num_tokens: int, replace_from: int = 0,
+                           replace_to: int = 0) -> Any:
+    """vLLM's `rejection_sampler.expand_batch_to_tokens` in PyTorch (SPEC_SAMPLING_EXPAND): x [batch_size]
+    -> [num_tokens], request i's value (replace_from replaced by replace_to) repeated for its
+    cu_num_tokens[i] - cu_num_tokens[i - 1] draft positions."""
+    import torch
+
+    cu = cu_num_tokens.to(torch.int64)
+    counts = torch.diff(cu, prepend=cu.new_zeros(1))
+    x = torch.where(x == replace_from, torch.full_like(x, replace_to), x)
+    return x.repeat_interleave(counts, output_size=num_tokens)
+
+
+expand_batch_to_tokens.eyas_fix = "SPEC_SAMPLING_EXPAND"
+
+
 def register() -> None:
     """vLLM general plugin (runs in the frontend, the engine core and each worker): on CPU, route
-    sigmoid-scored MoE layers and give Quark MXFP4 gpt-oss experts their activation constants.
+    sigmoid-scored MoE layers, give Quark MXFP4 gpt-oss experts their activation constants and expand
+    sampling parameters over draft positions in PyTorch.
     Idempotent; off with `EYAS_VLLM_FIXES=0`."""
     if not fixes_on() or not on_cpu():
         return
@@ -198,6 +225,14 @@ def register() -> None:
         from vllm.model_executor.layers.quantization.quark import quark_moe
     except ImportError:  # another vLLM layout: nothing to patch
         return
+    try:
+        from vllm.v1.sample import rejection_sampler
+    except ImportError:
+        rejection_sampler = None
+    cur = getattr(rejection_sampler, "expand_batch_to_tokens", None)
+    if cur is not None and getattr(cur, "eyas_fix", None) != "SPEC_SAMPLING_EXPAND":
+        expand_batch_to_tokens.eyas_original = cur
+        rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
     cur = cpu_router.CPURouter._compute_routing
     if getattr(cur, "eyas_fix", None) != "SIGMOID_ROUTER":
         cpu_router.CPURouter._compute_routing = _sigmoid_routing(cur)

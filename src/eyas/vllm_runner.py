@@ -3,7 +3,8 @@
     python -m eyas.vllm_runner SPEC.json RESULT.json
 
 SPEC: {"target", "draft" (null: plain decoding), "k", "max_tokens", "temperature",
-"max_model_len", "kv_cache_gib", "enforce_eager", "seed", "dtype", "return_token_ids",
+"max_model_len", "kv_cache_gib", "enforce_eager", "seed", "dtype", "return_token_ids", "ignore_eos",
+"draft_sample_method", "request_seed" (null: each request its own random stream; default: "seed"),
 "batches": [{"name", "conversations": [[{"role", "content"}, ...], ...]}]}.
 Each batch runs as one `LLM.chat` call (greedy when temperature is 0) in the same engine;
 the spec-decode counters are read before and after it and the difference is the batch's.
@@ -45,14 +46,34 @@ NGRAM = "ngram"  # a draft spelled `ngram` or `ngram:MIN:MAX`: vLLM's prompt loo
 NGRAM_DEFAULT = (2, 4)  # n-gram lengths looked up in the context, longest first
 
 
+SUFFIX = "suffix"  # vLLM's suffix decoding (Arctic Inference's suffix trees over the prompt and past replies)
+
+
 def is_ngram(draft: str | os.PathLike | None) -> bool:
     return draft is not None and (str(draft) == NGRAM or str(draft).startswith(NGRAM + ":"))
+
+
+def is_lookup(draft: str | os.PathLike | None) -> bool:
+    """A proposer named by a string, no draft dir: n-gram prompt lookup or suffix decoding."""
+    return is_ngram(draft) or (draft is not None and str(draft) == SUFFIX)
+
+
+def suffix_available() -> str | None:
+    """None when vLLM's suffix decoding can run here, else why not (it needs the arctic-inference package)."""
+    import importlib.util
+
+    if importlib.util.find_spec("arctic_inference") is None:
+        return ("suffix decoding needs the arctic-inference package (source-only on PyPI: C++ with nanobind); "
+                "scripts/build_arctic.sh builds and installs it without touching vLLM's dependencies")
+    return None
 
 
 def check_draft_servable(target: str | os.PathLike, draft: str | os.PathLike | None) -> None:
     """Raise DraftNotServable before vLLM starts when the EAGLE-3 `draft` cannot be served beside
     `target` on this machine (None and n-gram always can)."""
-    why = None if draft is None or is_ngram(draft) else draft_limit(target)
+    why = None if draft is None or is_lookup(draft) else draft_limit(target)
+    if draft is not None and str(draft) == SUFFIX:
+        why = suffix_available()
     if why:
         raise DraftNotServable(why)
 
@@ -77,6 +98,8 @@ def speculative_config(draft: str | os.PathLike, k: int) -> dict[str, Any]:
     if is_ngram(draft):
         lo, hi = ngram_lengths(str(draft))
         return {"method": "ngram", "num_speculative_tokens": int(k), "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+    if str(draft) == SUFFIX:
+        return {"method": "suffix", "num_speculative_tokens": int(k)}
     return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": int(k)}
 
 
@@ -112,12 +135,14 @@ def _engine(spec: dict[str, Any]):
         seed=int(spec.get("seed", 0)),
         enforce_eager=bool(spec.get("enforce_eager", True)),
         max_num_seqs=int(spec.get("max_num_seqs", 64)),
-        dtype=spec.get("dtype") or engine_dtype(None if is_ngram(spec.get("draft")) else spec.get("draft")),
+        dtype=spec.get("dtype") or engine_dtype(None if is_lookup(spec.get("draft")) else spec.get("draft")),
     )
     if spec.get("gpu_memory_utilization"):
         kw["gpu_memory_utilization"] = float(spec["gpu_memory_utilization"])
     if spec.get("draft"):
         kw["speculative_config"] = speculative_config(spec["draft"], int(spec.get("k", 3)))
+        if spec.get("draft_sample_method"):  # greedy (vLLM's default) | probabilistic: verify against its probabilities
+            kw["speculative_config"]["draft_sample_method"] = spec["draft_sample_method"]
     kw.update(engine_options(spec["target"]))
     return LLM(**kw)
 
@@ -132,7 +157,7 @@ def main(spec_path: str, result_path: str) -> None:
     params = SamplingParams(
         max_tokens=int(spec.get("max_tokens", 128)),
         temperature=float(spec.get("temperature", 0.0)),
-        seed=int(spec.get("seed", 0)),
+        seed=None if "request_seed" in spec and spec["request_seed"] is None else int(spec.get("seed", 0)),
         ignore_eos=bool(spec.get("ignore_eos", False)),
     )
     result: dict[str, Any] = {"load_seconds": load_s, "batches": [], "spec": {k: v for k, v in spec.items() if k != "batches"}}

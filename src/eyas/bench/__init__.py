@@ -87,6 +87,7 @@ def _suite(cfg: Recipe, target: Path, max_model_len: int = 0) -> tuple[list[dict
 
 def _bench_al(cfg: Recipe, target: Path) -> dict:
     from eyas.bench.acceptance import bench_acceptance, bucket_prompts, suite_summary, write_suite
+    from eyas.bench.throughput import proposers
 
     b = cfg.bench
     buckets, max_len = bucket_prompts(target, b.context_buckets, b.per_bucket, b.max_tokens, b.seed) \
@@ -94,8 +95,7 @@ def _bench_al(cfg: Recipe, target: Path) -> dict:
     rows, info = _suite(cfg, target, max_len)
     cats = list(dict.fromkeys(r["domain"] for r in rows))
     labels = list(dict.fromkeys(r["domain"] for r in buckets))
-    methods = {"draft": b.draft} if b.draft.lower() != "none" else {}
-    methods.update({m: m for m in b.baselines})
+    methods = proposers(None if b.draft.lower() == "none" else b.draft, b.baselines, cfg.eval.k)
     out = Path(b.out) if b.out else None
     if out:
         write_suite(rows + buckets, out / "suite.jsonl")

@@ -99,7 +99,34 @@ def format_tables(res: dict[str, Any]) -> str:
         pp = r.get("per_pos") or []
         lines.append(f"| {m} | {_f(r.get('acceptance_length'))} | "
                      + " | ".join(_f(pp[i] if i < len(pp) else None) for i in range(k)) + " |")
+    if res.get("greedy_mismatches"):
+        lines += ["", "| method | greedy replies differing from the target alone's | dtype |", "|---|---|---|"]
+        lines += [f"| {m} | {g['differ']} / {g['replies']} | {g['dtype']} |" for m, g in res["greedy_mismatches"].items()]
     return "\n".join(lines)
+
+
+TARGET_ALONE = "none"  # a bench.baselines entry: the target decoding alone, the reference for greedy equality
+
+
+def greedy_mismatches(reports: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per method: how many replies differ from the target alone's greedy reply, token for token (the same
+    prompts in the same order; lossless speculation in float32 gives 0), and the tokens generated before
+    the first difference, summed. Pops the token ids from the reports (they stay out of the JSON)."""
+    ref = {d: r.pop("token_ids") for d, r in reports[TARGET_ALONE]["domains"].items()}
+    out = {}
+    for m, rep in reports.items():
+        if m == TARGET_ALONE:
+            continue
+        n = differ = same_prefix = 0
+        for d, r in rep["domains"].items():
+            for a, b in zip(r.pop("token_ids"), ref[d]):
+                n += 1
+                if a != b:
+                    differ += 1
+                    same_prefix += next(i for i, (x, y) in enumerate(zip(a + [None], b + [None])) if x != y)
+        out[m] = {"replies": n, "differ": differ, "tokens_before_first_difference": same_prefix,
+                  "dtype": rep.get("dtype")}
+    return out
 
 
 def bench_acceptance(target: Path, methods: dict[str, str], rows: list[dict[str, Any]], categories: list[str],
@@ -113,10 +140,12 @@ def bench_acceptance(target: Path, methods: dict[str, str], rows: list[dict[str,
     reports = {}
     for name, draft in methods.items():
         print(f"bench al: {name} ({draft}) on {len(rows)} prompts, k={k}, {max_tokens} new tokens", flush=True)
-        reports[name] = measure_acceptance(target, draft, rows, k=k, max_tokens=max_tokens,
-                                           max_model_len=max_model_len, by_domain=True, kv_cache_gib=2.0)
+        reports[name] = measure_acceptance(target, draft, rows, k=k, max_tokens=max_tokens, max_model_len=max_model_len,
+                                           by_domain=True, kv_cache_gib=2.0, return_token_ids=TARGET_ALONE in methods)
     res: dict[str, Any] = {"methods": reports, "headline": {m: headline(r, categories) for m, r in reports.items()},
                            "categories": categories, "buckets": buckets, "k": k, "max_tokens": max_tokens}
+    if TARGET_ALONE in methods:
+        res["greedy_mismatches"] = greedy_mismatches(reports)
     res["table"] = format_tables(res)
     print(res["table"], flush=True)
     if out is not None:

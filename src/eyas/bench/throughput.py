@@ -72,14 +72,31 @@ def run_serving_benchmark(base_url: str, model: str, tokenizer, prompts: list[li
     return out
 
 
-def methods_for(draft: Path | None, baselines: list[str], k: int) -> dict[str, dict | None]:
-    """{name: speculative_config or None (the target alone)} of the servers measured at this k."""
-    out: dict[str, dict | None] = {}
-    if draft is not None:
-        out[f"draft@k{k}"] = speculative_config(draft, k)
+def proposers(draft: Path | str | None, baselines: list[str], k: int, log=print) -> dict[str, str | Path]:
+    """{name: what to serve} for the draft (when given) and each of `baselines`: `ngram[:MIN:MAX]`, `suffix`
+    (skipped, with why, where arctic-inference is missing) and `hybrid[:ngram:MIN:MAX[:RULE]]` (the draft with
+    prompt lookup beside it: eyas.hybrid_serve)."""
+    from eyas.hybrid_serve import hybrid_method, is_hybrid, policy_of, with_policy
+    from eyas.vllm_runner import SUFFIX, suffix_available
+
+    out: dict[str, str | Path] = {}
+    if draft is not None:  # the draft alone, also when its export names a lookup policy
+        own = policy_of(json.loads((Path(draft) / "config.json").read_text())) if Path(draft).is_dir() else None
+        out["draft"] = with_policy(draft, None) if own else draft
     for b in baselines:
-        out[f"{b}@k{k}"] = speculative_config(b, k)
+        if is_hybrid(b):
+            out[b] = hybrid_method(b, draft, k)
+        elif b == SUFFIX and suffix_available():
+            log(f"bench: {b} skipped: {suffix_available()}")
+        else:
+            out[b] = b
     return out
+
+
+def methods_for(draft: Path | None, baselines: list[str], k: int) -> dict[str, dict | None]:
+    """{name@k: speculative_config} of the speculative servers measured at this k."""
+    return {f"{name}@k{k}": speculative_config(what, k) for name, what in proposers(draft, baselines, k).items()
+            if name != "none"}  # the target alone is every table's baseline already
 
 
 def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -114,7 +131,8 @@ def recommend(rows: list[dict[str, Any]], draft: Path | None) -> list[dict[str, 
         if best["speedup"] <= 1.0:
             out.append({"concurrency": c, "method": "none", "k": 0, "speedup": 1.0, "speculative_config": None})
             continue
-        spec = speculative_config(draft if best["method"] == "draft" else best["method"], best["k"])
+        what = proposers(draft, [best["method"]] if best["method"] != "draft" else [], best["k"], log=lambda *a: None)
+        spec = speculative_config(what[best["method"]], best["k"])
         out.append({"concurrency": c, "method": best["method"], "k": best["k"], "speedup": best["speedup"],
                     "speedup_min": best["speedup_min"], "speculative_config": spec})
     return out
