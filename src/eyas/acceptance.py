@@ -199,7 +199,7 @@ def measure_acceptance(
         if "hybrid" in b:
             domains[b["name"]]["hybrid"] = b["hybrid"]
     consistent = not draft or total["num_draft_tokens"] == total["num_drafts"] * int(k)
-    if not consistent:  # vLLM proposed fewer than k tokens in some steps: AL is still 1 + accepted / drafts
+    if not consistent and draft != vllm_runner.SUFFIX:  # suffix decoding proposes as many as its tree supports  # vLLM proposed fewer than k tokens in some steps: AL is still 1 + accepted / drafts
         print(f"eyas eval: warning: {total['num_draft_tokens']} draft tokens for {total['num_drafts']} drafts "
               f"at k={k}", file=sys.stderr)
     return {

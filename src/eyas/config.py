@@ -156,8 +156,11 @@ class ExportConfig:
     verify: bool = False  # reload the draft in vLLM with the target and decode a few tokens speculatively
     target: str = ""  # default: the target recorded in the checkpoint (not run.target)
     keep_embed: bool = False  # keep embed_tokens even when it equals the target's
-    lookup: str = "none"  # ngram:MIN:MAX[:RULE]: prompt lookup served beside the draft by eyas's vLLM plugin (eyas.hybrid_serve); auto (eyas run): the best of lookup_candidates on the eval prompts, if it beats the draft alone
-    lookup_candidates: list[str] = field(default_factory=lambda: ["ngram:2:4:lookup>draft", "ngram:3:4:lookup>draft"])
+    # ngram:MIN:MAX[:RULE] | suffix[:RULE]: prompt lookup served beside the draft by eyas's vLLM plugin
+    # (eyas.hybrid_serve); auto (eyas run): the best of lookup_candidates on the eval prompts, if it beats the draft alone
+    lookup: str = "none"
+    lookup_candidates: list[str] = field(default_factory=lambda: ["ngram:2:4:lookup>draft", "ngram:3:4:lookup>draft",
+                                                                  "suffix:lookup>draft"])  # suffix: where it is built
 
 
 @dataclass

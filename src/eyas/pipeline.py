@@ -140,7 +140,9 @@ def _pick(alone: dict[str, Any], hybrids: dict[str, dict[str, Any]], auto: bool)
     won = tps[best] > base
     return {"draft_alone": base, "candidates": tps, "best": best, "gain": tps[best] / base - 1 if base else None,
             "exported": (best if won else "none") if auto else best,
-            "sources": {spec: r.get("hybrid") for spec, r in hybrids.items()}}
+            "sources": {spec: r.get("hybrid") for spec, r in hybrids.items()},
+            "domains": {spec: {d: v.get("tokens_per_step") for d, v in (r.get("domains") or {}).items()}
+                        for spec, r in hybrids.items()}}
 
 
 def run(cfg: Recipe) -> dict[str, Any]:
@@ -232,6 +234,9 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
                 report["eval_suffix"] = _once(out / "eval_suffix.json",
                                               {**measured, "draft": SUFFIX, "eval": to_dict(vs)}, lambda: evaluate(vs))
         cands = list(dict.fromkeys(x.lookup_candidates if auto else ([policy_spec(policy)] if policy else [])))
+        if auto and suffix_available():  # suffix candidates need arctic-inference
+            print(f"eyas run: suffix lookup candidates skipped: {suffix_available()}", flush=True)
+            cands = [c for c in cands if not c.startswith(SUFFIX)]
         hybrids = {}
         for spec in cands:  # the draft with prompt lookup beside it (eyas.hybrid_serve), one policy each
             pol = parse_lookup(spec, v.k)
@@ -267,11 +272,13 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
                                             emulated=serve_target)
     paths_out = write_report(out, report)
     write_manifest(out, "run", cfg, key=key, complete=True, timings=timings, report=str(paths_out["json"]))
-    ng = report.get("eval_ngram") or {}
+    ng, lk = report.get("eval_ngram") or {}, report.get("lookup") or {}
+    exported = lk.get("exported", "none")
     print(f"\neyas run: acceptance length {report['eval'].get('acceptance_length', float('nan')):.3f} "
           f"(k={cfg.eval.k})" + (f"; tokens per target step {report['eval'].get('tokens_per_step') or 0:.3f} against "
                                  f"n-gram lookup's {ng.get('tokens_per_step') or 0:.3f}" if ng else "")
-          + f"; report {paths_out['md']}")
+          + (f"; with prompt lookup beside it ({exported}, exported) {lk['candidates'][exported]:.3f}"
+             if exported != "none" else "") + f"; report {paths_out['md']}")
     print("serve it with:\n  " + report["serve_command"])
     return report
 

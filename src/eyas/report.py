@@ -170,6 +170,10 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
         if per_domain:
             doms = ev.get("domains") or {}
             base = {"n-gram": ng.get("domains") or {}, **({"suffix": sx.get("domains") or {}} if sx else {})}
+            lk = report.get("lookup") or {}
+            if lk.get("exported", "none") != "none" and (lk.get("domains") or {}).get(lk["exported"]):
+                base = {f"draft + {lk['exported']}": {d: {"tokens_per_step": v}
+                                                      for d, v in lk["domains"][lk["exported"]].items()}, **base}
             md += [_md_table(["domain", "AL", "tokens/step"] + [f"{b} tokens/step" for b in base],
                              [[d, v, _num(doms[d].get("tokens_per_step"))]
                               + [_num((bd.get(d) or {}).get("tokens_per_step")) for bd in base.values()]
