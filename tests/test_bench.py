@@ -131,3 +131,37 @@ def test_greedy_mismatches_count_replies_that_leave_the_target_alone():
     res["methods"] = {m: {"domains": {}, "per_pos": [0.5]} for m in ("ngram", "draft")}
     res["headline"] = {m: {"mean_al": None, "mean_tokens_per_decode_step": None} for m in ("ngram", "draft")}
     assert "| draft | 2 / 3 | bfloat16 |" in format_tables(res)
+
+
+def test_no_reading_resends_a_prompt_its_server_has_seen(monkeypatch, tiny_llama):
+    """Suffix decoding answers a repeated prompt from its cache of served replies: every (repeat, concurrency)
+    reading gets prompts no earlier reading sent, the same ones for every method, and warm-ups others."""
+    import eyas.synth.server as server
+
+    class Server:
+        def __init__(self, target, args=(), **kw):
+            self.url = "spec" if args else "base"
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *a):
+            return False
+
+    sent: list[tuple[str, tuple[str, ...]]] = []
+
+    def fake(url, model, tok, reqs, max_tokens, concurrency, warmups=0):
+        sent.append((url, tuple(r[0]["content"] for r in reqs)))
+        return {"output_throughput": 10.0, "acceptance_length": None, "tokens_per_decode_step": 1.0}
+
+    monkeypatch.setattr(server, "VllmServer", Server)
+    monkeypatch.setattr(T, "run_serving_benchmark", fake)
+    prompts = [[{"role": "user", "content": f"p{i}"}] for i in range(40)]
+    T.bench_sweep(tiny_llama, None, prompts, [1, 4], [3], ["ngram"], max_tokens=8, repeats=2, log=lambda *a, **k: None)
+    for url in ("base", "spec"):
+        batches = [b for u, b in sent if u == url]
+        warm, readings = batches[0], batches[1:]
+        assert len(readings) == 4 and [len(b) for b in readings] == [4, 8, 4, 8]
+        flat = [p for b in readings for p in b]
+        assert len(set(flat)) == len(flat) and not set(warm) & set(flat)
+    assert [b for u, b in sent if u == "base"][1:] == [b for u, b in sent if u == "spec"][1:]  # side by side

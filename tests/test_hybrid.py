@@ -296,3 +296,28 @@ def test_sampling_with_the_hybrid_keeps_the_targets_distribution(vllm_target, tm
     assert got["ngram"]["counters"]["num_accepted_tokens"] > 500, got
     assert got["hybrid"]["ok"] and got["ngram"]["ok"], got
     assert not got["one_hot_off"]["ok"] and not got["ngram_unfixed"]["ok"] and not got["hybrid_unfixed"]["ok"], got
+
+
+def test_a_draft_with_a_policy_keeps_vllm_on_the_runner_the_plugin_wraps():
+    """On GPUs vLLM defaults to Model Runner V2, which the plugin cannot wrap: a served EAGLE-3 draft whose
+    config names a lookup policy is listed among V2's unsupported features (vLLM then picks V1 itself);
+    a draft without one, or another method, is not."""
+    from types import SimpleNamespace as NS
+
+    from vllm.config import VllmConfig
+
+    from eyas.hybrid_serve import V2_REASON, register
+
+    register()
+    register()  # idempotent
+    f = VllmConfig._get_v2_model_runner_unsupported_features
+    assert f.eyas_hybrid and not getattr(f.__closure__[0].cell_contents, "eyas_hybrid", False)
+
+    def cfg(method, policy):
+        hf = {"eyas_lookup": policy} if policy else {}
+        return NS(parallel_config=NS(distributed_executor_backend=None, pipeline_parallel_size=1, use_ubatching=False),
+                  speculative_config=NS(method=method, parallel_drafting=False, use_heterogeneous_vocab=False,
+                                        draft_model_config=NS(hf_config=hf)))
+
+    assert V2_REASON in f(cfg("eagle3", {"rule": "lookup>draft", "ngram": [2, 4]}))
+    assert V2_REASON not in f(cfg("eagle3", None)) and V2_REASON not in f(cfg("ngram", None))

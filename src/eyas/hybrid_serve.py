@@ -23,8 +23,10 @@ Sampling stays lossless: by default vLLM verifies EAGLE drafts as if their token
 probabilities), so any proposal keeps the target's distribution; with `draft_sample_method:
 probabilistic` the lookup's rows of the draft's probabilities are made one-hot (`Hybrid._one_hot`).
 
-Not handled: Model Runner V2 (GPU default in recent vLLM; serve with VLLM_USE_V2_MODEL_RUNNER=0, as
-Arctic Inference does: `eyas.hybrid_serve.register` says so when it finds V2 on).
+Model Runner V2 (the GPU default in recent vLLM) has no propose_draft_token_ids: the plugin adds a draft
+with a lookup policy to vLLM's list of what V2 does not support, so vLLM picks the V1 runner and logs why
+(`_v1_for_policies`; Arctic Inference asks users for VLLM_USE_V2_MODEL_RUNNER=0 instead, which works too).
+Not run on a GPU.
 """
 
 from __future__ import annotations
@@ -288,3 +290,30 @@ def register() -> None:
         return
     if not getattr(GPUModelRunner.propose_draft_token_ids, "eyas_hybrid", False):
         GPUModelRunner.propose_draft_token_ids = _wrap(GPUModelRunner.propose_draft_token_ids)
+    try:
+        from vllm.config import VllmConfig
+    except ImportError:
+        return
+    cur = getattr(VllmConfig, "_get_v2_model_runner_unsupported_features", None)
+    if cur is not None and not getattr(cur, "eyas_hybrid", False):
+        VllmConfig._get_v2_model_runner_unsupported_features = _v1_for_policies(cur)
+
+
+V2_REASON = "eyas's prompt lookup beside the EAGLE-3 draft (eyas.hybrid_serve)"
+
+
+def _v1_for_policies(orig):
+    """Model Runner V2 (the GPU default) has no propose_draft_token_ids to wrap: a served draft that names a
+    lookup policy is one more feature V2 does not support, so vLLM picks the V1 runner itself and logs why
+    ("Model Runner V2 does not yet support ...; using the V1 model runner instead"). An explicit
+    VLLM_USE_V2_MODEL_RUNNER=1 still wins (then the draft serves alone)."""
+    def unsupported(self):
+        out = list(orig(self))
+        spec = getattr(self, "speculative_config", None)
+        dm = getattr(spec, "draft_model_config", None) if spec is not None else None
+        if spec is not None and spec.method == "eagle3" and dm is not None and policy_of(dm.hf_config):
+            out.append(V2_REASON)
+        return out
+
+    unsupported.eyas_hybrid = True
+    return unsupported

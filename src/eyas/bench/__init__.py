@@ -110,7 +110,8 @@ def _bench_throughput(cfg: Recipe, target: Path) -> dict:
     if b.input_len:  # the seed's shape: real text of input_len tokens, fixed output length
         from eyas.data import long_context_prompts
 
-        prompts = [r["messages"] for r in long_context_prompts(str(target), [b.input_len], 16, seed=b.seed)]
+        n = b.repeats * sum(max(2 * c, 4) for c in (b.sweep_concurrency if b.sweep_k else b.concurrency)) + 2
+        prompts = [r["messages"] for r in long_context_prompts(str(target), [b.input_len], n, seed=b.seed)]
     else:
         prompts = [r["messages"] for r in _suite(cfg, target)[0]]
         random.Random(b.seed).shuffle(prompts)

@@ -171,26 +171,41 @@ def bench_sweep(target: Path, draft: Path | None, prompts: list[list[dict]], con
     kw = dict(kv_cache_gib=kv_cache_gib, log_stats=True, dtype=engine_dtype(draft), env=env,
               max_model_len=max_model_len)  # one dtype for all: an FP8 draft needs bf16, the ratio compares like with like
 
-    def batch(c: int) -> list[list[dict]]:
-        n = prompts_per_level or max(2 * c, 4)
-        return [prompts[i % len(prompts)] for i in range(n)]
+    def size(c: int) -> int:
+        return prompts_per_level or max(2 * c, 4)
 
+    # Each reading (repeat, concurrency) gets prompts no earlier reading of the same server sent, the same
+    # prompts for every method: suffix decoding caches every response it served, so a prompt sent again
+    # would be answered from its own cached reply. Warm-ups take the prompts after the readings'.
+    starts, at = {}, 0
+    for rep in range(repeats):
+        for c in concurrency:
+            starts[rep, c], at = at, at + size(c)
+    if at + 2 > len(prompts):
+        log(f"bench throughput: {len(prompts)} prompts for {at + 2} requests: prompts repeat, which flatters "
+            "suffix decoding (it answers a repeated prompt from its cache)", flush=True)
+
+    def batch(c: int, start: int) -> list[list[dict]]:
+        return [prompts[(start + i) % len(prompts)] for i in range(size(c))]
+
+    warm = [prompts[(at + i) % len(prompts)] for i in range(2)]
     check_draft_servable(target, draft)  # before any server starts
     runs: list[dict[str, Any]] = []
     with VllmServer(target, **kw) as base:
-        run_serving_benchmark(base.url, str(target), tok, batch(1)[:2], max_tokens, 1)  # warm-up, not recorded
+        run_serving_benchmark(base.url, str(target), tok, warm, max_tokens, 1)  # warm-up, not recorded
         for k in ks:
             with contextlib.ExitStack() as stack:
                 servers = {BASELINE: base}
                 for name, spec in methods_for(draft, baselines, k).items():
                     srv = stack.enter_context(VllmServer(target, ["--speculative-config", json.dumps(spec)], **kw))
-                    run_serving_benchmark(srv.url, str(target), tok, batch(1)[:2], max_tokens, 1)
+                    run_serving_benchmark(srv.url, str(target), tok, warm, max_tokens, 1)
                     servers[name] = srv
                 names = list(servers)
                 for rep in range(repeats):
                     for c in concurrency:
                         for name in names[rep % len(names):] + names[:rep % len(names)]:
-                            r = run_serving_benchmark(servers[name].url, str(target), tok, batch(c), max_tokens, c)
+                            r = run_serving_benchmark(servers[name].url, str(target), tok, batch(c, starts[rep, c]),
+                                                      max_tokens, c)
                             runs.append({"method": name, "k": k, "repeat": rep, "concurrency": c, **r})
                             log(f"bench throughput: k={k} rep {rep} c={c} {name}: "
                                 f"{r.get('output_throughput', 0):.1f} tok/s", flush=True)
