@@ -4,7 +4,7 @@ A `vllm.general_plugins` entry point (pyproject: `eyas_hybrid`), so it runs in e
 on CPUs and GPUs. It wraps vLLM's `GPUModelRunner.propose_draft_token_ids` (the CPU runner inherits
 it): the draft proposes as always (its forward keeps its KV cache), then, when the served EAGLE-3
 draft's config.json names a lookup policy, each decoding request's history is looked up with vLLM's
-own n-gram matcher and the rule (`eyas.draft.hybrid.rule`) picks, per request, the draft's k tokens or
+own n-gram matcher (or Arctic Inference's suffix trees, as vLLM's suffix proposer runs them) and the rule (`eyas.draft.hybrid.rule`) picks, per request, the draft's k tokens or
 the lookup's (padded to k with the draft's, which greedy verification accepts only where they are
 the target's own tokens: the output is the target's whatever is proposed).
 
@@ -22,6 +22,7 @@ previous proposal is read off this step's valid sampled tokens (all but the bonu
 Sampling stays lossless: by default vLLM verifies EAGLE drafts as if their tokens were one-hot (no draft
 probabilities), so any proposal keeps the target's distribution; with `draft_sample_method:
 probabilistic` the lookup's rows of the draft's probabilities are made one-hot (`Hybrid._one_hot`).
+(On vLLM 0.32 CPU any sampled speculation also needs eyas.vllm_fixes' SPEC_SAMPLING_EXPAND.)
 
 Model Runner V2 (the GPU default in recent vLLM) has no propose_draft_token_ids: the plugin adds a draft
 with a lookup policy to vLLM's list of what V2 does not support, so vLLM picks the V1 runner and logs why

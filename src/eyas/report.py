@@ -79,7 +79,8 @@ def plot_throughput(rows: list[dict[str, Any]], out: Path) -> Path:
     ax.plot(conc, [r["baseline_tokens_per_s"] for r in rows], "o-", label="target alone")
     ax.plot(conc, [r["spec_tokens_per_s"] for r in rows], "s-", label="target + EAGLE-3 draft")
     for m in _baselines(rows):  # no-training proposers measured beside the draft (bench.baselines)
-        ax.plot(conc, [r.get(f"{m}_tokens_per_s", float("nan")) for r in rows], "^--", label=f"target + {m} lookup")
+        label = "target + draft with lookup (hybrid)" if m.startswith("hybrid") else f"target + {m} lookup"
+        ax.plot(conc, [r.get(f"{m}_tokens_per_s", float("nan")) for r in rows], "^--", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(conc)
     ax.set_xticklabels([str(c) for c in conc])

@@ -3,8 +3,9 @@
 On a draft's held-out features (`train.holdout`, else the first `bench.limit` samples) every rule of
 `bench.rules` (eyas.draft.hybrid) is replayed: tokens per target decode step per rule, overall and per
 domain (the conversations' `domain`). The two pure rules are then served in vLLM on the same turns
-(the draft, and n-gram lookup with the same lengths), so the simulated figures stand beside the
-served ones: the rules are only as good as that agreement.
+(the draft, and n-gram lookup with the same lengths), and lookup>draft as the hybrid eyas serves
+(eyas.hybrid_serve), so the simulated figures stand beside the served ones: the rules are only as
+good as that agreement.
 """
 
 from __future__ import annotations
@@ -47,8 +48,15 @@ def bench_rules(target: Path, draft: Path, features: Path, k: int, rules: list[s
     if serve:
         turns = _turns(convs, ids)
         mml = int(ds.manifest.get("max_len") or 2048) + max_tokens
+        from eyas.hybrid_serve import parse_lookup, with_policy
+
+        # the pure draft (any exported policy stripped), n-gram alone, and the lookup>draft rule served as a hybrid
+        hybrid = "lookup>draft"
+        serves = {"draft": with_policy(draft, None), "lookup": f"ngram:{ngram[0]}:{ngram[1]}",
+                  **({hybrid: with_policy(draft, parse_lookup(f"ngram:{ngram[0]}:{ngram[1]}:{hybrid}", k))}
+                     if hybrid in rules else {})}
         served = {name: measure_acceptance(target, d, turns, k=k, max_tokens=max_tokens, max_model_len=mml)
-                  for name, d in (("draft", draft), ("lookup", f"ngram:{ngram[0]}:{ngram[1]}"))}
+                  for name, d in serves.items()}
         out["served"] = {n: {"tokens_per_decode_step": r["tokens_per_decode_step"],
                              "domains": {d: v["tokens_per_decode_step"] for d, v in r["domains"].items()}}
                          for n, r in served.items()}
@@ -63,7 +71,7 @@ def bench_rules(target: Path, draft: Path, features: Path, k: int, rules: list[s
                   for n, v in out["served"].items()]
     out["table"] = "\n".join(lines)
     print(f"bench rules: {len(ids)} conversations, k={k}, n-gram {ngram[0]}..{ngram[1]}; tokens per target decode "
-          "step, simulated" + (" (and the pure rules served in vLLM)" if serve else ""), file=sys.stderr)
+          "step, simulated" + (" (and the pure rules and lookup>draft served in vLLM)" if serve else ""), file=sys.stderr)
     print(out["table"])
     print(json.dumps({k_: v for k_, v in out.items() if k_ not in ("table", "simulated")}))
     return out
