@@ -177,25 +177,29 @@ def test_sigmoid_router_defect_and_workaround():
 
 @pytest.mark.slow
 def test_spec_sampling_expand_defect_and_workaround():
-    """SPEC_SAMPLING_EXPAND: with vLLM CPU's kernel overrides, the rejection sampler's own
-    expand_batch_to_tokens leaves a float32 result unwritten (the defect); the PyTorch expansion eyas's
-    plugin installs gives each request's value over its draft positions, for float and int tensors.
-    (The engine-level check: tests/test_hybrid.py::test_sampling_with_the_hybrid_keeps_the_targets_distribution.)"""
-    from vllm.platforms import current_platform
+    """SPEC_SAMPLING_EXPAND: vLLM CPU's C++ override of the rejection sampler's expand kernel (what
+    expand_batch_to_tokens runs there) writes an int64 output and leaves a float32 one (the temperatures)
+    unwritten: the defect; the PyTorch expansion eyas's plugin installs gives each request's value over its
+    draft positions, for float and int tensors. (The kernel is called directly: vLLM's own override
+    registration rescans every loaded module and trips over some in a long test process. The engine-level
+    check: tests/test_hybrid.py::test_sampling_with_the_hybrid_keeps_the_targets_distribution.)"""
+    import vllm._C  # noqa: F401  (the CPU ops)
+    from vllm.utils import cpu_triton_utils
     from vllm.v1.sample import rejection_sampler
 
     from eyas.vllm_fixes import expand_batch_to_tokens, register
 
-    current_platform.register_triton_kernel_overrides()  # what vLLM CPU's worker does
-    original = rejection_sampler.expand_batch_to_tokens
-    original = getattr(original, "eyas_original", original)  # vLLM's, also after an earlier register()
     temps, cu = torch.tensor([0.7, 0.0, 2.5]), torch.tensor([2, 3, 6], dtype=torch.int32)
+    ints = torch.zeros(6, dtype=torch.int64)
+    expand = cpu_triton_utils._expand_kernel_impl
+    expand(ints, torch.tensor([5, 0, 7]), cu, 0, 0)
+    assert ints.tolist() == [5, 5, 0, 7, 7, 7]  # int64 goes through
+    floats = torch.full((6,), -7.0)
+    expand(floats, temps, cu, 0, 1)
+    assert torch.equal(floats, torch.full((6,), -7.0))  # the defect: a float output is never written
     want = torch.tensor([0.7, 0.7, 1.0, 2.5, 2.5, 2.5])
-    got = original(temps, cu, 6, replace_from=0, replace_to=1)
-    assert not torch.equal(got, want)  # the defect: still there in this vLLM
     assert torch.equal(expand_batch_to_tokens(temps, cu, 6, replace_from=0, replace_to=1), want)
-    top_k = torch.tensor([5, 0, 7], dtype=torch.int32)
-    assert expand_batch_to_tokens(top_k, cu, 6).tolist() == [5, 5, 0, 7, 7, 7]
+    assert expand_batch_to_tokens(torch.tensor([5, 0, 7], dtype=torch.int32), cu, 6).tolist() == [5, 5, 0, 7, 7, 7]
     register()
     assert rejection_sampler.expand_batch_to_tokens is expand_batch_to_tokens
 
