@@ -258,9 +258,10 @@ def test_sampling_with_the_hybrid_keeps_the_targets_distribution(vllm_target, tm
     a coin (a: 0.6, b: 0.4, whatever came before), the hybrid's output has the coin's statistics (share of a,
     and repeats of the previous token, 0.6^2 + 0.4^2 = 0.52, which a lookup that copies history would push
     up) within 4 standard errors while the lookup's tokens are accepted on many steps; so has vLLM's own
-    n-gram speculation. Three controls show the test can tell: the lookup's rows left with the draft's
-    probabilities (EYAS_HYBRID_ONE_HOT=0), and vLLM CPU's sampled verification without eyas's
-    SPEC_SAMPLING_EXPAND fix (EYAS_VLLM_FIXES=0), n-gram and hybrid."""
+    n-gram speculation. Controls: the lookup's rows left with the draft's probabilities (EYAS_HYBRID_ONE_HOT=0)
+    fail the statistics (the test can tell); vLLM CPU's sampled verification without eyas's SPEC_SAMPLING_EXPAND
+    fix (EYAS_VLLM_FIXES=0), n-gram and hybrid, is visibly broken: off the statistics or its acceptance
+    collapsed."""
     import math
 
     from eyas.draft.contract import random_draft
@@ -295,7 +296,13 @@ def test_sampling_with_the_hybrid_keeps_the_targets_distribution(vllm_target, tm
     assert got["hybrid"]["hybrid"]["lookup"]["accepted"] > 500, got  # the lookup's tokens do go through
     assert got["ngram"]["counters"]["num_accepted_tokens"] > 500, got
     assert got["hybrid"]["ok"] and got["ngram"]["ok"], got
-    assert not got["one_hot_off"]["ok"] and not got["ngram_unfixed"]["ok"] and not got["hybrid_unfixed"]["ok"], got
+    assert not got["one_hot_off"]["ok"], got
+    # Without the fix, the target's logits are divided by uninitialized memory, so which symptom shows depends on
+    # what that memory holds on the machine: the output off the coin's statistics (seen here), or acceptance
+    # collapsed with the output still on them (seen in CI: n-gram 331 accepted against 2,253 fixed). One of the two.
+    for name, fixed in (("ngram_unfixed", "ngram"), ("hybrid_unfixed", "hybrid")):
+        collapsed = got[name]["counters"]["num_accepted_tokens"] < got[fixed]["counters"]["num_accepted_tokens"] / 3
+        assert not got[name]["ok"] or collapsed, (name, got)
 
 
 def test_a_draft_with_a_policy_keeps_vllm_on_the_runner_the_plugin_wraps():
