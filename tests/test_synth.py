@@ -62,6 +62,21 @@ class FakeEngine:
         return outs
 
 
+class StreamingFake(FakeEngine):
+    """FakeEngine with `stream`, as vLLM in-process and endpoints have: conversations take turns round robin,
+    so a conversation's second turn runs after the other conversations' first turns, as in continuous batching."""
+
+    def stream(self, first, sampling, then):
+        from collections import deque
+
+        todo = deque(first)
+        while todo:
+            tag, r = todo.popleft()
+            nxt = then(tag, self.generate([r], sampling)[0])
+            if nxt is not None:
+                todo.append((tag, nxt))
+
+
 # ---------------------------------------------------------------- fast: no vLLM
 
 
@@ -90,7 +105,8 @@ def test_no_usable_prompts_is_an_error_not_a_complete_synthesis(tmp_path, embedd
         assert read_manifest(out) is None
 
 
-def test_skips_multiturn_failures_and_rerun(tmp_path, embedded_target, tok_template):
+@pytest.mark.parametrize("Engine", [FakeEngine, StreamingFake])
+def test_skips_multiturn_failures_and_rerun(tmp_path, embedded_target, tok_template, Engine):
     tok, template = tok_template
     prompts = write_jsonl(tmp_path / "p.jsonl", [
         {"id": "one", "domain": "d", "messages": [U("hello")]},
@@ -107,7 +123,7 @@ def test_skips_multiturn_failures_and_rerun(tmp_path, embedded_target, tok_templ
     ])
     cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"),
                       max_tokens=32, max_model_len=300, concurrency=3)
-    eng = FakeEngine(tok)
+    eng = Engine(tok)
     out = synthesize(cfg, engine=eng)
     rows, man = read_out(out), read_manifest(out)
     assert set(rows) == {"one", "multi"}
@@ -123,11 +139,11 @@ def test_skips_multiturn_failures_and_rerun(tmp_path, embedded_target, tok_templ
     assert man["counts"] == {"ok": 2, "failed": 1, "skipped": 8, "pending": 0, "turns": 3}
     assert man["failed_reasons"] == {"HTTP 400": 1} and man["complete"] is False
     # the re-run retries the failed row only, then completes; a third run does nothing
-    eng2 = FakeEngine(tok, fail=False)
+    eng2 = Engine(tok, fail=False)
     synthesize(cfg, engine=eng2)
     assert [len(c) for c in eng2.calls] == [1]
     assert set(read_out(out)) == {"one", "multi", "fails"} and read_manifest(out)["complete"] is True
-    eng3 = FakeEngine(tok)
+    eng3 = Engine(tok)
     synthesize(cfg, engine=eng3)
     assert eng3.calls == []
     with pytest.raises(ValueError, match="differs in: max_tokens"):

@@ -64,6 +64,9 @@ class SynthConfig:
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # the target's dtype (auto: eyas.host.engine_dtype)
     device: str = "cpu"  # hf engine: where the target runs (cpu, cuda:0, ...)
     max_seconds: float = 0  # stop starting batches after this long (0: no limit); a re-run continues
+    # continuous: a conversation's next turn enters the engine as soon as its reply is back (vLLM in-process,
+    # endpoints); turns: every conversation's turn t before any turn t+1 (the hf engine always does this)
+    schedule: Literal["continuous", "turns"] = "continuous"
 
 
 @dataclass
@@ -205,7 +208,7 @@ class BenchConfig:
     out: str = ""
     prompts: str = ""  # eval prompts JSONL (default: the held-out split of the data mix)
     what: Literal["al", "throughput", "extract", "train", "quant", "drift", "threads", "simulated", "levers",
-                  "curve", "rules"] = "al"
+                  "curve", "rules", "synth"] = "al"
     concurrency: list[int] = field(default_factory=lambda: [1, 4])
     context_buckets: list[int] = field(default_factory=lambda: [1024, 2048, 4096, 8192])  # `bench al`: prompt tokens
     per_bucket: int = 8
@@ -227,6 +230,10 @@ class BenchConfig:
     levers: list[str] = field(default_factory=list)  # `bench levers` rows: "NAME: section.key=value, ..."
     curve_samples: list[int] = field(default_factory=lambda: [60, 120, 240, 0])  # `bench curve`: train.max_samples
     curve_steps: list[int] = field(default_factory=list)  # `bench curve`: train.max_steps per point (default: train's)
+    # `bench synth` rows beside the recipe's own synth section ("NAME: synth.key=value, ..."), on the first
+    # synth_limit conversations of the recipe's training split
+    synth_rows: list[str] = field(default_factory=lambda: ["c128: synth.concurrency=128, synth.kv_cache_gib=4"])
+    synth_limit: int = 128
     rules: list[str] = field(default_factory=lambda: ["lookup>draft", "lookupL>=3", "lookupL>=4", "conf<0.3",
                                                       "conf<0.5", "agree"])  # `bench rules` (eyas.draft.hybrid)
 
@@ -381,7 +388,7 @@ POSITIVE = {"run.nproc", "synth.max_tokens", "synth.concurrency", "synth.max_mod
             "train.grad_clip", "train.grad_accum", "train.token_budget",
             "eval.k", "eval.max_tokens", "eval.max_model_len", "eval.kv_cache_gib", "eval.timeout",
             "bench.concurrency", "bench.context_buckets", "bench.per_bucket", "bench.max_tokens",
-            "bench.per_category", "bench.k_values", "bench.sweep_concurrency", "bench.repeats"}
+            "bench.per_category", "bench.synth_limit", "bench.k_values", "bench.sweep_concurrency", "bench.repeats"}
 FRACTIONS = {"data.eval_fraction", "synth.top_p", "train.position_decay", "train.min_lr_ratio", "train.hard_label",
              "train.min_target_prob"}
 

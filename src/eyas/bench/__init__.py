@@ -14,6 +14,8 @@
                 fit and the data it predicts for AL 2.0 / 2.5 / 3.0
     rules       the draft or prompt lookup per step: each `bench.rules` rule simulated on held-out
                 features, the pure draft and lookup also served in vLLM on the same turns
+    synth       `eyas synth` tokens/s per setting (`bench.synth_rows`) side by side, with the share
+                of this machine's matmul peak the target's FLOPs reach
 
 Every result names the machine it ran on (`eyas.host.machine()`), printed first and
 stored under "machine" in `bench_<what>.json`.
@@ -179,6 +181,14 @@ def cli(cfg: Recipe, actions: list[str]) -> int:
             raise ValueError("eyas bench rules needs train.features=FEAT (the draft's feature dir: its held-out samples)")
         res = bench_rules(target, Path(b.draft), Path(cfg.train.features), cfg.eval.k, b.rules, limit=b.limit,
                           holdout=cfg.train.holdout)
+    elif what == "synth":
+        from eyas.bench.synth import bench_synth
+
+        if not b.out:
+            raise ValueError("eyas bench synth needs --out DIR (each row synthesizes under DIR/synth/NAME)")
+        d = cfg.data
+        prompts = build_mix(d.sources, d.max_per_source, d.seed, d.out or data_root() / "mix", d.eval_fraction)["train"]
+        res = bench_synth(cfg, target, prompts, b.synth_rows, Path(b.out) / "synth", b.synth_limit, b.repeats)
     elif what == "threads":
         from eyas.bench.threads import bench_threads
 

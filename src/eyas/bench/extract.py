@@ -15,8 +15,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from eyas.bench.roofline import DTYPES, peak_flops, prefill_flops, roofline_fields
 from eyas.models import resolve_target
 from eyas.packing import pack_by_length
+from eyas.target import text_config
 
 LARGE_HIDDEN = 7168
 LARGE_AUX = 3
@@ -67,6 +69,12 @@ def _plain_prefill_tok_s(target: Path, samples: list[dict], compute_dtype: str, 
     return sum(lengths) / dt
 
 
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def _storage_rows(samples: list[dict], layer_ids: list[int], hidden: int, num_layers: int) -> list[dict]:
     from eyas.features import FeatureWriter, bytes_per_token
 
@@ -115,9 +123,13 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
     samples = [renderer.render(c) for c in convs]
     tokens = sum(int(s["input_ids"].shape[0]) for s in samples)
     rows: list[dict] = []
+    tcfg = text_config(target)
+    flops = sum(prefill_flops(tcfg, int(s["input_ids"].shape[0])) for s in samples)  # the target's, per pass
+    peaks = {dt: peak_flops(dt, torch_threads()) for dt in ("float32", "bfloat16")}
     baseline = _plain_prefill_tok_s(target, samples, compute_dtype, batch_tokens)
-    rows.append({"kind": "throughput", "backend": "plain-prefill (hf)", "tokens": tokens, "tok_s": baseline,
-                 "vs_prefill": 1.0})
+    rows.append({"kind": "throughput", "backend": f"plain-prefill (hf {compute_dtype})", "tokens": tokens,
+                 "tok_s": baseline, "vs_prefill": 1.0,
+                 **roofline_fields(baseline, flops / tokens, peaks[DTYPES[compute_dtype]])})
     extracted = None
     for backend in backends:
         dtype = resolve_compute_dtype(backend, compute_dtype if backend == "hf" else "auto")
@@ -138,7 +150,7 @@ def run_bench(target: str | os.PathLike, n_samples: int = 16, backends: tuple[st
             ex.close()
         rows.append({"kind": "throughput", "backend": f"{backend} ({dtype})",
                      "tokens": tokens, "tok_s": tokens / dt, "vs_prefill": tokens / dt / baseline,
-                     "init_s": init_s})
+                     "init_s": init_s, **roofline_fields(tokens / dt, flops / tokens, peaks[DTYPES[dtype]])})
         extracted = extracted or (out, ex.layer_ids, ex.hidden_size, ex.num_layers)
         del out
     if extracted is not None:
@@ -155,14 +167,19 @@ def _gb(x: float) -> str:
 
 def format_table(rows: list[dict], target: Path | str, compute_dtype: str) -> str:
     lines = [f"extraction bench: {Path(target).name}", "",
-             f"{'backend':<22} {'tokens':>8} {'tok/s':>10} {'vs prefill':>11} {'init s':>8}"]
+             f"{'backend':<26} {'tokens':>8} {'tok/s':>10} {'vs prefill':>11} {'init s':>8} {'GFLOP/s':>8} "
+             f"{'of peak':>8}"]
     for r in rows:
         if r["kind"] == "throughput":
             if "skipped" in r:
-                lines.append(f"{r['backend']:<22} skipped: {r['skipped']}")
+                lines.append(f"{r['backend']:<26} skipped: {r['skipped']}")
             else:
-                lines.append(f"{r['backend']:<22} {r['tokens']:>8} {r['tok_s']:>10.0f} {r['vs_prefill']:>10.2f}x "
-                             f"{r.get('init_s', 0):>8.1f}")
+                lines.append(f"{r['backend']:<26} {r['tokens']:>8} {r['tok_s']:>10.0f} {r['vs_prefill']:>10.2f}x "
+                             f"{r.get('init_s', 0):>8.1f} {r['achieved_flops'] / 1e9:>8.1f} "
+                             f"{100 * r['fraction_of_peak']:>7.1f}%")
+    peaks = {r["peak_dtype"]: r for r in rows if r["kind"] == "throughput" and "peak_dtype" in r}
+    lines.append("matmul peak (torch.mm, measured first): " + ", ".join(
+        f"{dt} {r['peak_flops'] / 1e9:.1f} GFLOP/s on {r['peak_threads']} threads" for dt, r in peaks.items()))
     lines += ["", f"{'storage':<8} {'bytes/token (measured)':>24} {'(formula)':>10}"]
     for r in rows:
         if r["kind"] == "storage":

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from eyas.bench.roofline import count_flops, fraction_line, peak_flops, roofline_fields
 from eyas.draft.ttt import Batch, ttt_loss
 from eyas.draft.vocab import build_draft_vocab, top_n_vocab
 from eyas.models import resolve_target
@@ -93,14 +94,26 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
         tokens += batch.num_tokens
         loss_tokens += int(st["rows"][0])
     total = sum(parts.values())
+
+    def fwd_bwd() -> None:  # one more micro-batch (the last one again), counted
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss, _ = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay)
+        loss.backward()
+
+    flops_per_token = count_flops(fwd_bwd) / batch.num_tokens
+    dr.opt.zero_grad(set_to_none=True)
+    peak = peak_flops("bfloat16" if precision == "bf16" else "float32", torch.get_num_threads())
     res = {k: v / steps for k, v in parts.items()}
     res.update(target=str(tdir), device=str(dev), precision=precision, threads=torch.get_num_threads(),
                draft_vocab_size=vocab.size, ttt_steps=cfg.ttt_steps, tokens_per_micro_batch=tokens / steps,
                loss_tokens_per_micro_batch=loss_tokens / steps, tokens_per_s=tokens / max(total, 1e-9),
                params=sum(p.numel() for p in dr.trainable), source="features" if src is not None else "synthetic")
+    res.update(roofline_fields(res["tokens_per_s"], flops_per_token, peak))
     print(f"eyas bench train: {res['tokens_per_s']:.0f} tokens/s ({res['device']}, {precision}, "
           f"{res['threads']} threads, {res['tokens_per_micro_batch']:.0f} tokens/micro-batch, K={cfg.ttt_steps}, "
           f"Vd={vocab.size}, {res['params'] / 1e6:.1f}M trainable params, {res['source']} data)")
     for k in parts:
         print(f"  {k[:-2]:<12} {res[k] * 1e3:9.1f} ms/micro-batch  {100 * parts[k] / max(total, 1e-9):5.1f}%")
+    print("  " + fraction_line("roofline", res["tokens_per_s"], flops_per_token, peak)
+          + " (matmul FLOPs of forward and backward, counted by torch's FlopCounterMode; the optimizer's not counted)")
     return res

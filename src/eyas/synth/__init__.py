@@ -162,34 +162,55 @@ def check_endpoint_template(engine: EndpointEngine, tok, template: str, messages
 
 
 def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, max_len: int, on_done) -> None:
-    """Generate every point of `convs`, turn index by turn index (one engine call per turn)."""
+    """Generate every point of `convs`. Under `synth.schedule: continuous` an engine with `stream` (vLLM
+    in-process, endpoints) takes each conversation's next turn as soon as its previous reply is back;
+    otherwise (or the hf engine) turn index by turn index, one engine call per turn."""
     sampling = Sampling(cfg.temperature, cfg.top_p)
+
+    def request(c: Conv, t: int) -> Request | None:
+        ids = render_prompt_ids(tok, c.msgs + c.points[t], template)
+        room = max_len - len(ids)
+        if room < min(cfg.max_tokens, MIN_ROOM):
+            c.stopped = "prompt_too_long"
+            return None
+        seed = zlib.crc32(f"{cfg.seed}/{c.id}/{t}".encode()) & 0x7FFFFFFF
+        return Request(ids, min(cfg.max_tokens, room), seed)
+
+    def take(c: Conv, t: int, o: Completion) -> None:
+        if o.error:
+            c.stopped, c.error = "error", o.error
+        elif not o.text.strip():
+            c.stopped = "empty_reply"
+        else:
+            c.msgs = c.msgs + c.points[t] + [{"role": "assistant", "content": o.text}]
+            for k, v in (("finish_reasons", o.finish_reason), ("prompt_tokens", o.prompt_tokens),
+                         ("completion_tokens", o.completion_tokens)):
+                c.meta[k].append(v)
+
+    if cfg.schedule == "continuous" and hasattr(engine, "stream"):
+        def then(c: Conv, o: Completion) -> Request | None:
+            take(c, len(c.meta["finish_reasons"]), o)  # the turns done so far index the one that came back
+            on_done(o)
+            t = len(c.meta["finish_reasons"])
+            return None if c.stopped or t >= len(c.points) else request(c, t)
+
+        first = [(c, r) for c in convs if c.points and not c.stopped and (r := request(c, 0)) is not None]
+        engine.stream(first, sampling, then)
+        return
     for t in range(max(len(c.points) for c in convs)):
         reqs, owners = [], []
         for c in convs:
             if c.stopped or t >= len(c.points):
                 continue
-            ids = render_prompt_ids(tok, c.msgs + c.points[t], template)
-            room = max_len - len(ids)
-            if room < min(cfg.max_tokens, MIN_ROOM):
-                c.stopped = "prompt_too_long"
-                continue
-            seed = zlib.crc32(f"{cfg.seed}/{c.id}/{t}".encode()) & 0x7FFFFFFF
-            reqs.append(Request(ids, min(cfg.max_tokens, room), seed))
-            owners.append(c)
+            r = request(c, t)
+            if r is not None:
+                reqs.append(r)
+                owners.append(c)
         if not reqs:
             break
         outs: list[Completion] = engine.generate(reqs, sampling, on_done)
         for c, o in zip(owners, outs):
-            if o.error:
-                c.stopped, c.error = "error", o.error
-            elif not o.text.strip():
-                c.stopped = "empty_reply"
-            else:
-                c.msgs = c.msgs + c.points[t] + [{"role": "assistant", "content": o.text}]
-                for k, v in (("finish_reasons", o.finish_reason), ("prompt_tokens", o.prompt_tokens),
-                             ("completion_tokens", o.completion_tokens)):
-                    c.meta[k].append(v)
+            take(c, t, o)
 
 
 def _key(cfg: SynthConfig, target: Path, template: str) -> dict[str, Any]:

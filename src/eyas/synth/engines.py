@@ -49,6 +49,7 @@ class Sampling:
 
 
 OnDone = Callable[[Completion], None]
+Then = Callable[[object, Completion], "Request | None"]  # (tag, its completion) -> the tag's next request, or None
 
 
 class InProcessEngine:
@@ -99,6 +100,45 @@ class InProcessEngine:
             if on_done:
                 on_done(res[-1])
         return res
+
+    def stream(self, first: list[tuple[object, Request]], sampling: Sampling, then: Then) -> None:
+        """Continuous turns: every tag's first request enters the engine at once, and each tag's next
+        request (`then(tag, completion)`) as soon as its previous one is done, so the engine keeps its
+        batch full while conversations move through their turns at their own pace."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        eng, live, n = self.llm.llm_engine, {}, 0
+
+        def add(tag: object, r: Request) -> None:
+            nonlocal n
+            while r is not None:
+                n += 1
+                params = SamplingParams(max_tokens=r.max_tokens, temperature=sampling.temperature,
+                                        top_p=sampling.top_p, seed=r.seed)
+                try:
+                    eng.add_request(f"eyas-{n}", TokensPrompt(prompt_token_ids=r.prompt_ids), params)
+                except ValueError as e:  # a request vLLM refuses; the engine itself is fine
+                    r = then(tag, Completion(error=f"vLLM refused the request: {e}"))
+                    continue
+                live[f"eyas-{n}"] = tag
+                return
+
+        for tag, r in first:
+            add(tag, r)
+        try:
+            while live:
+                for o in eng.step():
+                    if not o.finished:
+                        continue
+                    c = o.outputs[0]
+                    tag = live.pop(o.request_id)
+                    nxt = then(tag, Completion(c.text, len(c.token_ids), len(o.prompt_token_ids), str(c.finish_reason)))
+                    if nxt is not None:
+                        add(tag, nxt)
+        except EngineDeadError as e:
+            raise self._refused(e) from None
 
     def close(self) -> None:
         del self.llm
@@ -173,38 +213,50 @@ class EndpointEngine:
         return Completion(c["text"], usage["completion_tokens"], usage["prompt_tokens"], str(c["finish_reason"]))
 
     def generate(self, reqs: list[Request], sampling: Sampling, on_done: OnDone | None = None) -> list[Completion]:
-        todo: queue.Queue[int] = queue.Queue()
-        for i in range(len(reqs)):
-            todo.put(i)
         res: list[Completion | None] = [None] * len(reqs)
+
+        def keep(i: object, c: Completion) -> None:
+            res[i] = c  # type: ignore[index]
+            if on_done:
+                on_done(c)
+
+        self.stream(list(enumerate(reqs)), sampling, keep)
+        assert all(r is not None for r in res)
+        return res  # type: ignore[return-value]
+
+    def stream(self, first: list[tuple[object, Request]], sampling: Sampling, then: Then) -> None:
+        """Continuous turns: `concurrency` conversations in flight per endpoint, each taking its turns
+        one after another (`then(tag, completion)` gives its next request), the next conversation
+        starting as soon as one is done."""
+        todo: queue.Queue[tuple[object, Request]] = queue.Queue()
+        for item in first:
+            todo.put(item)
         fatal: list[EngineError] = []
         lock = threading.Lock()
 
         def worker(url: str) -> None:
             while not fatal:
                 try:
-                    i = todo.get_nowait()
+                    tag, r = todo.get_nowait()
                 except queue.Empty:
                     return
-                try:
-                    res[i] = self._complete(url, reqs[i], sampling)
-                except EngineError as e:
-                    fatal.append(e)
-                    return
-                if on_done:
+                while r is not None and not fatal:
+                    try:
+                        c = self._complete(url, r, sampling)
+                    except EngineError as e:
+                        fatal.append(e)
+                        return
                     with lock:
-                        on_done(res[i])  # type: ignore[arg-type]
+                        r = then(tag, c)
 
         threads = [threading.Thread(target=worker, args=(u,), daemon=True)
-                   for u in self.urls for _ in range(min(self.concurrency, len(reqs)))]
+                   for u in self.urls for _ in range(min(self.concurrency, len(first)))]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
         if fatal:
             raise fatal[0]
-        assert all(r is not None for r in res)
-        return res  # type: ignore[return-value]
 
     def close(self) -> None:
         pass
