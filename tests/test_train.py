@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import random
@@ -608,6 +610,12 @@ def test_bench_reports_where_time_goes(tiny_data, capsys):
     for k in ("data_s", "target_head_s", "draft_fwd_s", "draft_bwd_s", "optim_s"):
         assert r[k] > 0  # the target head timed by TargetHead(timed=True), not patched
     assert "tokens/s" in capsys.readouterr().out
+    # scored as the trainer scores: the full-vocab top-1 on every score_every-th micro-batch only,
+    # so fewer FLOPs per token are counted than when every micro-batch is scored
+    r2 = run_bench(str(tiny_data["target"]), dataclasses.replace(tc, score_every=4), features=str(tiny_data["features"]),
+                   steps=2)
+    assert r2["score_every"] == 4 and r["score_every"] == 1
+    assert r2["flops_per_token"] < r["flops_per_token"]
 
 
 def test_streaming_source_trains_until_the_stream_ends(tiny_data, tmp_path):

@@ -2,8 +2,9 @@
 
 One process, no process group (bf16 through autocast where the trainer would use FSDP2's
 mixed precision): the trainer's own `build_draft` (draft, AdamW, frozen target head),
-timed piece by piece per micro-batch: data (read + collate), target lm_head (soft labels
-and full-vocab top-1, `TargetHead(timed=True)`), draft forward (TTT unroll + loss),
+timed piece by piece per micro-batch: data (read + collate), target lm_head (soft labels,
+and the full-vocab top-1 on every `score_every`-th micro-batch as the trainer scores them,
+`TargetHead(timed=True)`), draft forward (TTT unroll + loss),
 backward, optimizer (clip + AdamW). The draft's settings are the recipe's `train`
 section (TTT steps, draft vocab, token budget, lr). Data comes from a feature dir when
 given, else random states of the target's shapes (data time is then ~0).
@@ -62,6 +63,7 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
     parts = {"data_s": 0.0, "target_head_s": 0.0, "draft_fwd_s": 0.0, "draft_bwd_s": 0.0, "optim_s": 0.0}
     tokens = loss_tokens = 0
     B = max(1, cfg.token_budget // seq_len)
+    every = max(1, cfg.score_every)
     for it in range(warmup + steps):
         t0 = time.perf_counter()
         if src is not None:
@@ -73,7 +75,8 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
         t1 = time.perf_counter()
         dr.head.seconds = 0.0
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss, st = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay)
+            loss, st = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay,
+                                score=it % every == 0)
         sync()
         t2 = time.perf_counter()
         loss.backward()
@@ -95,19 +98,21 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
         loss_tokens += int(st["rows"][0])
     total = sum(parts.values())
 
-    def fwd_bwd() -> None:  # one more micro-batch (the last one again), counted
+    def fwd_bwd(score: bool) -> None:  # one more micro-batch (the last one again), counted
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss, _ = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay)
+            loss, _ = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score)
         loss.backward()
 
-    flops_per_token = count_flops(fwd_bwd) / batch.num_tokens
+    # one scored micro-batch in every `score_every`
+    flops = (count_flops(lambda: fwd_bwd(True)) + (every - 1) * count_flops(lambda: fwd_bwd(False))) / every
+    flops_per_token = flops / batch.num_tokens
     dr.opt.zero_grad(set_to_none=True)
     peak = peak_flops("bfloat16" if precision == "bf16" else "float32", torch.get_num_threads())
     res = {k: v / steps for k, v in parts.items()}
     res.update(target=str(tdir), device=str(dev), precision=precision, threads=torch.get_num_threads(),
                draft_vocab_size=vocab.size, ttt_steps=cfg.ttt_steps, tokens_per_micro_batch=tokens / steps,
                loss_tokens_per_micro_batch=loss_tokens / steps, tokens_per_s=tokens / max(total, 1e-9),
-               params=sum(p.numel() for p in dr.trainable), source="features" if src is not None else "synthetic")
+               score_every=every, params=sum(p.numel() for p in dr.trainable), source="features" if src is not None else "synthetic")
     res.update(roofline_fields(res["tokens_per_s"], flops_per_token, peak))
     print(f"eyas bench train: {res['tokens_per_s']:.0f} tokens/s ({res['device']}, {precision}, "
           f"{res['threads']} threads, {res['tokens_per_micro_batch']:.0f} tokens/micro-batch, K={cfg.ttt_steps}, "
