@@ -270,11 +270,46 @@ def test_muon_resumes_exactly_and_shards_like_one_rank(tiny_data, tmp_path, prec
         f"midlayer.{m}.weight" for m in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
                                          "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
 
-    one, two = tmp_path / "one", tmp_path / "two"
-    _run_cli(_cfg(tiny_data, one, max_steps=4, grad_accum=2, **mk))
+    one, two = tmp_path / "one", tmp_path / "two"  # FSDP2 on both sides: its sharding is what is compared
+    _run_cli(_cfg(tiny_data, one, max_steps=4, grad_accum=2, **mk), extra=("--fsdp", "always"))
     _run_cli(_cfg(tiny_data, two, max_steps=4, grad_accum=1, **mk), nproc=2)
     for x, y in zip(_metrics(one), _metrics(two)):
         assert x["loss"] == pytest.approx(y["loss"], rel=2e-4), (x["step"], x["loss"], y["loss"])
+
+
+def test_bare_module_steps_like_fsdp_and_checkpoints_move_between_them(tiny_data, tmp_path):
+    """A world of one trains the bare module (`train.fsdp: auto`): in fp32 it steps like FSDP2 on one
+    rank; in bf16 (autocast against FSDP2's cast parameters) its first loss is within rounding; a
+    checkpoint written under FSDP2 resumes bare like an uninterrupted bare run, and a bare one resumes
+    under FSDP2 over 2 ranks."""
+    from eyas.train import train
+
+    mk = dict(optimizer="muon", lr_decay_steps=6)
+    bare, fsdp, mixed = tmp_path / "bare", tmp_path / "fsdp", tmp_path / "mixed"
+    train(_cfg(tiny_data, bare, max_steps=6, **mk))
+    train(_cfg(tiny_data, fsdp, max_steps=6, fsdp="always", **mk))
+    a, b = _metrics(bare), _metrics(fsdp)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, 7))
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+    assert a[-1]["loss"] < a[0]["loss"]
+    assert json.loads((bare / "manifest.json").read_text())["fsdp"] is False
+    assert json.loads((fsdp / "manifest.json").read_text())["fsdp"] is True
+
+    train(_cfg(tiny_data, mixed, max_steps=3, save_every=3, fsdp="always", **mk))
+    train(_cfg(tiny_data, mixed, max_steps=6, resume=True, **mk))
+    for x, y in zip(a, _metrics(mixed)):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5), (x["step"], x["loss"], y["loss"])
+    _run_cli(_cfg(tiny_data, mixed, max_steps=8, resume=True, **mk), nproc=2, extra=("--optimizer", "muon"))
+    st = json.loads((mixed / "checkpoints" / "step_8" / "trainer.json").read_text())
+    assert st["world_size"] == 2 and [r["step"] for r in _metrics(mixed)] == list(range(1, 9))
+
+    first = {}
+    for mode in ("auto", "always"):
+        run = tmp_path / f"bf16-{mode}"
+        train(_cfg(tiny_data, run, max_steps=1, precision="bf16", fsdp=mode, **mk))
+        first[mode] = _metrics(run)[0]["loss"]
+    assert first["auto"] == pytest.approx(first["always"], rel=2e-2), first
 
 
 def test_muon_float32_newton_schulz_matches_torch(monkeypatch):

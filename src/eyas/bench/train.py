@@ -1,7 +1,7 @@
 """Training throughput: tokens/s of the recipe's draft on a target, and where the time goes.
 
-One process, no process group (bf16 through autocast where the trainer would use FSDP2's
-mixed precision): the trainer's own `build_draft` (draft, AdamW, frozen target head),
+One process, no process group (the bare module, bf16 through autocast, as the trainer runs a
+world of one): the trainer's own `build_draft` (draft, AdamW, frozen target head),
 timed piece by piece per micro-batch: data (read + collate), target lm_head (soft labels,
 and the full-vocab top-1 on every `score_every`-th micro-batch as the trainer scores them,
 `TargetHead(timed=True)`), draft forward (TTT unroll + loss),
@@ -74,7 +74,7 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
         sync()
         t1 = time.perf_counter()
         dr.head.seconds = 0.0
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with dr.compute():  # the trainer's own context (bf16 autocast where it trains in bf16)
             loss, st = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay,
                                 score=it % every == 0)
         sync()
@@ -99,7 +99,7 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
     total = sum(parts.values())
 
     def fwd_bwd(score: bool) -> None:  # one more micro-batch (the last one again), counted
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with dr.compute():  # the trainer's own context (bf16 autocast where it trains in bf16)
             loss, _ = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score)
         loss.backward()
 

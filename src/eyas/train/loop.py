@@ -178,11 +178,18 @@ class Draft:
     """What one optimizer step needs: the draft, its optimizer and schedule, the frozen target head."""
 
     spec: Any  # DraftSpec
-    model: torch.nn.Module  # Eagle3Draft (FSDP2-wrapped when a process group is given)
+    model: torch.nn.Module  # Eagle3Draft (FSDP2-wrapped over 2+ ranks)
     opt: torch.optim.Optimizer | Optimizers
     sched: WarmupCosine
     head: Any  # TargetHead
     trainable: list[torch.nn.Parameter]
+    autocast: bool = False  # bf16 compute through torch.autocast (the bare module; FSDP2 casts by its policy)
+    sharded: bool = False  # wrapped in FSDP2
+
+    def compute(self) -> contextlib.AbstractContextManager:
+        """The context every forward of the draft runs in (training and simulation)."""
+        dev = next(self.model.parameters()).device.type
+        return torch.autocast(dev, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
 
 
 class Optimizers(list):
@@ -223,7 +230,7 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
                 init: Eagle3Draft | None = None) -> Draft:
     """The draft for `target_dir` (embedding copied, deterministic init; `init`: a warm start's
     spec and weights), its optimizer, the lr schedule and the target head, on `device`; sharded
-    with FSDP2 when `d` is given."""
+    with FSDP2 when `d` is given and `P.shards` says so (2+ ranks, or `train.fsdp: always`)."""
     embed, lm_head, tcfg_d = load_head(target_dir)
     if init is not None:
         spec = init.spec
@@ -242,7 +249,8 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
         model.init_head(lm_head[vocab.draft_ids].float(), target_final_norm(target_dir))
     model.set_vocab(vocab.d2t, vocab.t2d)
     model.to(device)
-    if d is not None:
+    sharded = d is not None and P.shards(d, cfg.fsdp)
+    if sharded:
         P.apply_fsdp(model, d, precision)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(cfg, model, precision)
@@ -250,13 +258,14 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
     head_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     head = TargetHead(lm_head, vocab.draft_ids, softcap=tcfg_d.get("final_logit_softcapping"),
                       logit_scale=float(tcfg_d.get("logit_scale") or 1.0), timed=timed_head).to(device, head_dtype)
-    return Draft(spec, model, opt, sched, head, trainable)
+    return Draft(spec, model, opt, sched, head, trainable, autocast=precision == "bf16" and not sharded,
+                 sharded=sharded)
 
 
 # What a resume may change: how long, how often to save / log / evaluate, threads and trust. Everything
 # else (data, lr, loss, draft shape, ...) changes the run, so a run dir holding it is refused.
 RESUME_MAY_CHANGE = {"target", "out", "max_steps", "resume", "trust_checkpoint", "save_every", "eval_every",
-                     "eval_limit", "log_every", "score_every", "threads", "progress", "lr_decay_steps"}
+                     "eval_limit", "log_every", "score_every", "threads", "progress", "lr_decay_steps", "fsdp"}
 
 
 def settings_changed(prev: dict[str, Any], cfg: TrainConfig) -> list[str]:
@@ -379,7 +388,8 @@ class Trainer:
         self.start = self._resume() if self.ckpt is not None else 0
         self.logger = MetricsLogger(self.run_dir, d.is_main, resume_step=self.start)
         self._manifest(complete=False)
-        _log(f"{d.world} rank(s) on {d.device.type} ({d.backend}), {self.precision}; draft "
+        _log(f"{d.world} rank(s) on {d.device.type} ({d.backend}), {self.precision}"
+             f"{' (FSDP2)' if self.draft.sharded else ', bare module'}; draft "
              f"{sum(p.numel() for p in self.draft.trainable):,} trainable params; layers {list(spec.layer_ids)}; "
              f"steps {self.start}->{cfg.max_steps}", d)
         self.win = _Window(cfg.ttt_steps, d.device)
@@ -414,6 +424,7 @@ class Trainer:
         if self.d.is_main:
             write_manifest(self.run_dir, "train", self.cfg, complete=complete, target=self.target_dir,
                            world_size=self.d.world, precision=self.precision, device=str(self.d.device),
+                           fsdp=self.draft.sharded,
                            draft_config=self.draft_cfg, draft_vocab=self.vocab.info(), source=self.src.describe(),
                            start_step=self.start, data_id=self.data_id, **extra)
 
@@ -434,11 +445,13 @@ class Trainer:
             td = time.perf_counter()
             batch = collate(items, cfg.max_len, cfg.loss_tokens).to(d.device)
             win.data_s += time.perf_counter() - td
-            dr.model.set_requires_gradient_sync(a == len(mbs) - 1)
+            if dr.sharded:
+                dr.model.set_requires_gradient_sync(a == len(mbs) - 1)
             score = win.micro == 0 or self.micro_seen % max(1, cfg.score_every) == 0
             self.micro_seen += 1
-            loss, stats = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score,
-                                   hard=cfg.hard_label, loss=cfg.loss, min_prob=cfg.min_target_prob)
+            with dr.compute():
+                loss, stats = ttt_loss(dr.model, batch, dr.head, cfg.ttt_steps, cfg.position_decay, score=score,
+                                       hard=cfg.hard_label, loss=cfg.loss, min_prob=cfg.min_target_prob)
             (loss / cfg.grad_accum).backward()
             win.add(loss.detach(), stats, batch.num_tokens)
         gnorm = torch.nn.utils.clip_grad_norm_(dr.trainable, cfg.grad_clip)
@@ -481,7 +494,8 @@ class Trainer:
         if not hasattr(self, "_heldout"):
             self._heldout = self.src.heldout_samples()
         k = self.cfg.ttt_steps
-        counts = simulate_samples(self.draft.model, self._heldout, k, self.cfg.max_len, self.d.device)
+        with self.draft.compute():
+            counts = simulate_samples(self.draft.model, self._heldout, k, self.cfg.max_len, self.d.device)
         rates = summarize_acceptance(counts, k)
         out = {"sim_al": rates["acceptance_length"] or 1.0, "sim_per_pos": rates["per_pos"] or [0.0] * k,
                "sim_drafts": counts["num_drafts"]}
