@@ -67,7 +67,7 @@ def run_bench(target: str, train_cfg: Any, features: str = "", steps: int = 5, w
     for it in range(warmup + steps):
         t0 = time.perf_counter()
         if src is not None:
-            batch = collate(src.load(order.take(1)[0]), seq_len)
+            batch = collate(src.load(order.take(1)[0]), seq_len, cfg.loss_tokens)  # the trainer's loss rows
         else:
             batch = _synthetic(seq_len, B, dr.spec.n_aux, H, V, it)
         batch = batch.to(dev)
