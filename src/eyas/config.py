@@ -144,8 +144,8 @@ class TrainConfig:
     layer_ids: list[int] = field(default_factory=list)  # online source: empty = (2, L//2, L-3); offline: the features'
     lr_decay_steps: int = 0  # cosine horizon (0 = max_steps); fix it to stop early and resume on the same schedule
     threads: int = 0  # torch intra-op threads per rank (0 = torch's default; 1 is fastest on a busy small CPU)
-    # auto: FSDP2 over 2+ ranks, the bare module (bf16 through autocast) in a world of one, 1.2-1.3x its
-    # tokens/s on a 2-core CPU (docs/tokens-per-hour.md); always: FSDP2 on one rank too
+    # auto: FSDP2 over 2+ ranks, the bare module (bf16 through autocast) in a world of one (1.10x the
+    # demo trainer's tokens/s on a 2-core CPU, 1.2-1.3x in a probe: docs/tokens-per-hour.md); always: FSDP2 on one rank too
     fsdp: Literal["auto", "always"] = "auto"
     progress: bool = True  # tqdm bar on rank 0
 
