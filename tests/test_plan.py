@@ -26,7 +26,8 @@ def test_plan_of_a_fresh_run_dir_writes_nothing(tmp_path, capsys, embedded_targe
     assert p["data"].startswith("to do: 4 sources") and "upper bound" in p["data"]
     assert p["synth"].startswith("to do; <= 560 conversations")
     assert "<= 430,080 tokens" in p["extract"] and "x 4 states x hidden 576 x 2 bytes = <= 1.98 GB" in p["extract"]
-    assert "1000 steps x 1024 tokens" in p["train"] and p["train"].startswith("to do")
+    t = read_recipe("demo").train
+    assert f"{t.max_steps} steps x {t.token_budget} tokens" in p["train"] and p["train"].startswith("to do")
 
 
 def test_plan_of_a_half_done_run_dir(tmp_path, capsys, embedded_target):
