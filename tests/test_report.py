@@ -15,6 +15,8 @@ def test_write_report_makes_json_md_and_plots(tmp_path):
         "throughput": [{"concurrency": 1, "baseline_tokens_per_s": 30.0, "spec_tokens_per_s": 55.0, "speedup": 1.83,
                         "ngram_tokens_per_s": 60.0, "ngram_speedup": 2.0}],
         "serve_command": "vllm serve X",
+        "train": {"step": 20, "steps_run": 20, "tokens": 40960, "steps_s": 31.4,
+                  "budget": {"minutes": 0.5, "per_step_s": 1.5, "timed_steps": 8, "max_steps": 100, "fitted_steps": 20}},
     }
     paths = write_report(tmp_path, rep)
     assert json.loads(paths["json"].read_text())["eval"]["acceptance_length"] == 2.1
@@ -24,5 +26,7 @@ def test_write_report_makes_json_md_and_plots(tmp_path):
     assert "| 10 | 1.500 | 1.450 | 1.800 |" in md and "| 20 | 1.900 | - | 2.200 |" in md
     assert "| 1 | 30.000 | 55.000 | 1.830 | 2.000 |" in md and "ngram speedup" in md  # n-gram beside the draft
     assert "trainer's estimate (training batches)" in md
+    assert ("Training: 20 steps; this run 20 of them, 40,960 tokens in 31 s of steps" in md
+            and "train.max_minutes 0.5 fitted 20 of the 100 steps asked at 1.5 s/step" in md)
     for k in ("al_per_position", "al_over_training", "throughput"):
         assert paths[k].exists() and paths[k].stat().st_size > 1000

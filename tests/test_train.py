@@ -852,3 +852,47 @@ def test_holdout_simulates_on_two_ranks(tiny_data, tmp_path):
     _run_cli(_cfg(tiny_data, run, max_steps=4), nproc=2, extra=("train.holdout=3", "train.eval_every=2"))
     logged = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in logged if "sim_al" in r] == [2, 4]
+
+
+def test_step_budget_arithmetic():
+    from eyas.train.budget import StepBudget
+
+    b = StepBudget(60, max_steps=1000, skip=2, window=8)
+    for s in [5.0, 5.0] + [1.0] * 8:
+        assert not b.due()
+        b.add(s)
+    assert b.due() and b.per_step() == 1.0  # the two set-up steps are not the pace
+    assert b.fit(10, 1000, 1.0) == 10 + 42  # 60 s - 18 s spent, at 1 s a step
+    assert b.fit(10, 30, 1.0) == 30  # never past max_steps
+    assert b.fit(10, 1000, 100.0) == 10  # the budget buys no more: the run ends now
+    with pytest.raises(ValueError, match="seconds > 0"):
+        StepBudget(0, 10)
+
+
+def test_a_step_budget_fits_the_run_and_a_resume_finishes_it(tiny_data, tmp_path, monkeypatch):
+    """train.max_minutes: the trainer times its first steps, trains what fits (here 10 steps timed, then
+    what a 1-minute budget buys at a pace pinned to 10 s a step: 5 more) and ends its cosine there; killed
+    after step 12, a resume finishes the same 15 steps on the same schedule instead of fitting again."""
+    from eyas.manifest import read_manifest
+    from eyas.train import budget as B
+    from eyas.train import train
+    from eyas.train.loop import WarmupCosine
+
+    monkeypatch.setattr(B.StepBudget, "per_step", lambda self: 10.0)
+    run = tmp_path / "run"
+    out = train(_cfg(tiny_data, run, max_steps=200, max_minutes=1.0, save_every=4))
+    assert out["step"] == 15 and out["budget"]["fitted_steps"] == 15 and out["budget"]["max_steps"] == 200
+    man = read_manifest(run)
+    assert man["complete"] and man["fitted_steps"] == 15
+    first = _metrics(run)
+    assert [r["step"] for r in first if "loss" in r] == list(range(1, 16))
+    lr_last = [r["lr"] for r in first if "lr" in r][-1]
+    assert lr_last == pytest.approx(WarmupCosine(2e-3, 2, 15, 0.1)(14))  # the cosine ends at the fitted step
+    assert train(_cfg(tiny_data, run, max_steps=200, max_minutes=1.0, save_every=4, resume=True))["skipped"]
+
+    shutil.rmtree(run / "checkpoints" / "step_15")  # killed after step 12's checkpoint
+    out = train(_cfg(tiny_data, run, max_steps=200, max_minutes=1.0, save_every=4, resume=True))
+    assert out["step"] == 15 and out["steps_run"] == 3
+    again = _metrics(run)
+    assert [r["step"] for r in again if "loss" in r] == list(range(1, 16))
+    assert [r["lr"] for r in again if "lr" in r][-1] == pytest.approx(lr_last)

@@ -103,6 +103,9 @@ class TrainConfig:
     out: str = ""
     source: Literal["offline", "online", "streaming"] = "offline"
     max_steps: int = 200
+    # wall-clock budget for the steps (0: none): the trainer times its first steps and trains min(max_steps, what
+    # fits), the cosine horizon with it; serve-evals and saves are outside it (eyas.train.budget)
+    max_minutes: float = 0.0
     resume: bool = False
     trust_checkpoint: bool = False  # resume from DCP files eyas did not sign here (reading DCP unpickles)
     ttt_steps: int = 7

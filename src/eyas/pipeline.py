@@ -267,6 +267,7 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
     from eyas.serve_eval import read_records
 
     report["serve_eval"] = read_records(out / "train")
+    report["train"] = (read_manifest(out / "train") or {}).get("final")  # steps, tokens, a train.max_minutes fit
     report["timings"] = timings
     report["serve_command"] = serve_command(quark_target, draft, cfg.eval.k, quantized=cfg.run.quantized_target,
                                             emulated=serve_target)

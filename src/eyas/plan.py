@@ -116,12 +116,15 @@ def plan(cfg: Recipe) -> list[tuple[str, str]]:
 
     seen = t.max_steps * t.token_budget * t.grad_accum * max(1, cfg.run.nproc)
     ck = latest_checkpoint(out / "train") if (out / "train").is_dir() else None
+    tman = (read_manifest(out / "train") or {}) if ck is not None else {}
+    last = min(t.max_steps, tman.get("fitted_steps") or t.max_steps) if t.max_minutes > 0 else t.max_steps
     state = "to do" if ck is None else (
-        "done: skipped" if (read_manifest(out / "train") or {}).get("complete") and ck.name == f"step_{t.max_steps}"
-        else f"resumes from {ck.name}")
+        "done: skipped" if tman.get("complete") and ck.name == f"step_{last}" else f"resumes from {ck.name}")
+    budget = (f"; at most train.max_minutes {t.max_minutes:g} of steps: fewer steps where they do not fit, timed on "
+              "this machine" if t.max_minutes > 0 else "")
     rows.append(("train", f"{state}; {t.max_steps} steps x {t.token_budget} tokens x grad_accum {t.grad_accum} x "
                  f"{max(1, cfg.run.nproc)} rank(s) = {_n(seen)} tokens seen (packed micro-batches: an upper bound); "
-                 f"serve-eval every {t.eval_every or t.max_steps} steps"))
+                 f"serve-eval every {t.eval_every or t.max_steps} steps{budget}"))
     rows.append(("export", f"{_state(out / 'draft', [])}; {cfg.export.dtype} draft of the best checkpoint"))
     ev = cfg.eval
     rows.append(("eval", ("measured: read back when nothing it depends on changed" if (out / "eval.json").exists()

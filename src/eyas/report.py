@@ -192,6 +192,13 @@ def write_report(out_dir: Path, report: dict[str, Any]) -> dict[str, Path]:
                          [[spec, t, *[((src.get(spec) or {}).get(s_) or {}).get(x, "-")
                                       for s_ in ("lookup", "draft") for x in ("steps", "accepted")]]
                           for spec, t in lk["candidates"].items()]), ""]
+    tr = report.get("train") or {}
+    if tr.get("step"):
+        bud = tr.get("budget") or {}
+        md += [f"Training: {tr['step']} steps; this run {tr.get('steps_run')} of them, {tr.get('tokens', 0):,} tokens in "
+               f"{tr.get('steps_s') or 0:.0f} s of steps (saves and serve-evals apart)"
+               + (f"; train.max_minutes {bud['minutes']:g} fitted {bud['fitted_steps']} of the {bud['max_steps']} steps "
+                  f"asked at {bud['per_step_s']} s/step" if bud else ""), ""]
     if se:
         md += ["## Serve-in-the-loop", "", _md_table(
             ["step", "served AL (vLLM)", "simulated AL (held-out features)", "trainer's estimate (training batches)",

@@ -11,6 +11,7 @@ fit AL = a + b·ln(tokens) over the points gives the generated tokens it predict
 
 from __future__ import annotations
 
+import copy
 import math
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,8 @@ def bench_curve(cfg: Recipe, samples: list[int], out: Path, steps: list[int] | N
         raise ValueError(f"bench.curve_steps needs one positive step count per bench.curve_samples entry "
                          f"({len(samples)}), got {steps}")
     root = out / "curve"
+    cfg = copy.deepcopy(cfg)
+    cfg.train.max_minutes = 0  # every point its full step count: a time budget would cut the slow points short
     ngram = ngram_row(cfg, root)
     rows = [run_row(cfg, (f"n{m}" if m else "all") + (f"_s{s}" if s else ""),
                     [f"train.max_samples={m}"] + ([f"train.max_steps={s}"] if s else []), root)

@@ -40,6 +40,7 @@ from eyas.models import eyas_home, resolve_target
 from eyas.stage import ChangedOutput, inherited, output_dir
 from eyas.target import load_head, target_final_norm, target_layer, text_config
 from eyas.train import parallel as P
+from eyas.train.budget import StepBudget
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 from eyas.train.data import collate, open_data
 from eyas.train.metrics import MetricsLogger, format_line, summarize
@@ -264,7 +265,7 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
 
 # What a resume may change: how long, how often to save / log / evaluate, threads and trust. Everything
 # else (data, lr, loss, draft shape, ...) changes the run, so a run dir holding it is refused.
-RESUME_MAY_CHANGE = {"target", "out", "max_steps", "resume", "trust_checkpoint", "save_every", "eval_every",
+RESUME_MAY_CHANGE = {"target", "out", "max_steps", "max_minutes", "resume", "trust_checkpoint", "save_every", "eval_every",
                      "eval_limit", "log_every", "score_every", "threads", "progress", "lr_decay_steps", "fsdp"}
 
 
@@ -343,6 +344,13 @@ class Trainer:
         self.unmeasured = False  # the checkpoint resumed from was due for the callback and has no record
         self.data_id = data_identity(cfg)
         self.ckpt, step = resume_point(cfg, self.data_id)
+        self.fitted: int | None = None  # train.max_minutes: the step count its budget fitted, kept for a resume
+        self.budget_info: dict[str, Any] = {}
+        if self.ckpt is not None and cfg.max_minutes > 0:
+            fitted = (read_manifest(self.run_dir) or {}).get("fitted_steps")
+            if fitted:  # the budget was fitted before the interruption: finish that run
+                self.fitted = int(fitted)
+                self.cfg = cfg = dataclasses.replace(cfg, max_steps=min(cfg.max_steps, self.fitted))
         if self.ckpt is not None and d.rank == 0:
             repair_latest(self.run_dir, self.ckpt)
             remove_temp_files(self.run_dir)  # a manifest write a kill cut short
@@ -426,7 +434,8 @@ class Trainer:
                            world_size=self.d.world, precision=self.precision, device=str(self.d.device),
                            fsdp=self.draft.sharded,
                            draft_config=self.draft_cfg, draft_vocab=self.vocab.info(), source=self.src.describe(),
-                           start_step=self.start, data_id=self.data_id, **extra)
+                           start_step=self.start, data_id=self.data_id, fitted_steps=self.fitted,
+                           budget=self.budget_info or None, **extra)
 
     # ---- verbs
     def step(self, step: int) -> torch.Tensor | None:
@@ -532,12 +541,23 @@ class Trainer:
             self._evaluate(self.ckpt, self.start, {"est_al": self.logger.last("est_al"), **self.simulate(self.start)})
         t_run = time.perf_counter()
         self.lr = self.draft.sched(self.start)
-        for step in range(self.start + 1, cfg.max_steps + 1):
+        budget = StepBudget(cfg.max_minutes * 60, cfg.max_steps) if cfg.max_minutes > 0 and self.fitted is None else None
+        step, self.steps_s = self.start, 0.0  # seconds in optimizer steps (saves and serve-evals apart)
+        while step < self.cfg.max_steps:
+            step += 1
+            t_step = time.perf_counter()
             loss = self.step(step)
             if loss is None:
                 _log(f"the data stream ended after {done} steps", d)
                 break
             done = step
+            self.steps_s += time.perf_counter() - t_step
+            if budget is not None:
+                budget.add(time.perf_counter() - t_step)
+                if budget.due():
+                    self._fit_budget(budget, step, bar)
+                    budget = None
+                cfg = self.cfg
             failpoint("train.step")
             final = step == cfg.max_steps
             if step % max(1, cfg.log_every) == 0 or final:
@@ -556,10 +576,34 @@ class Trainer:
             bar.close()
         elapsed = time.perf_counter() - t_run
         summary = {"step": done, "steps_run": done - self.start, "checkpoint": str(self.last_ckpt),
-                   "last": self.last_rec, "elapsed_s": elapsed,
+                   "last": self.last_rec, "elapsed_s": elapsed, "steps_s": self.steps_s,
+                   **({"budget": self.budget_info} if self.budget_info else {}),
                    "tokens": self.tokens_run, "tokens_per_s": self.tokens_run / max(elapsed, 1e-9)}
         self._manifest(complete=True, final=summary)
         return summary
+
+    def _fit_budget(self, budget: StepBudget, step: int, bar: Any) -> None:
+        """train.max_minutes: the run's step count from its pace so far; every rank takes the slowest's."""
+        per_step = budget.per_step()
+        if self.d.world > 1:  # every rank must stop at the same step
+            t = torch.tensor([per_step], dtype=torch.float64, device=self.d.device)
+            torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+            per_step = float(t.item())
+        asked = self.cfg.max_steps
+        n = budget.fit(step, asked, per_step)
+        self.fitted = n
+        self.cfg = dataclasses.replace(self.cfg, max_steps=n)
+        if not self.cfg.lr_decay_steps:
+            self.draft.sched.decay_steps = max(1, n)
+        self.budget_info = {"minutes": self.cfg.max_minutes, "per_step_s": round(per_step, 4),
+                            "timed_steps": len(budget.times) - budget.skip, "max_steps": asked, "fitted_steps": n}
+        if bar is not None:
+            bar.total = n
+            bar.refresh()
+        _log(f"budget {self.cfg.max_minutes:g} min at {per_step:.3f} s/step (the mean of steps "
+             f"{step - len(budget.times) + budget.skip + 1}-{step}): {n} steps of the {asked} asked"
+             + ("" if self.cfg.lr_decay_steps else f"; cosine horizon {n}"), self.d)
+        self._manifest(complete=False)
 
     def close(self) -> None:
         self.logger.close()

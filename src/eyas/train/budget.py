@@ -1,0 +1,42 @@
+"""`train.max_minutes`: a wall-clock budget for the optimizer steps, sized to the machine they run on.
+
+The same recipe trains at ~0.9 s a step on one CPU and ~3 s on another, so a step count alone cannot
+promise a time. With a budget the trainer times its first steps (the first `skip` are set-up and not
+counted), takes the slowest rank's mean seconds per step, and trains min(max_steps, the steps that fit
+in what is left of the budget); the cosine horizon follows the fitted count (unless
+`train.lr_decay_steps` fixes it), so the run still ends at its minimum lr. Checkpoint saves and
+serve-evals are outside the budget: they measure the run, they do not train it. The fitted count is
+kept in the run's manifest, so a resume finishes the same run rather than fitting again.
+"""
+
+from __future__ import annotations
+
+
+class StepBudget:
+    """Times steps until `due()`, then `fit(done, max_steps, per_step)` -> the run's step count."""
+
+    def __init__(self, seconds: float, max_steps: int, skip: int = 2, window: int = 0):
+        if seconds <= 0:
+            raise ValueError(f"a step budget needs seconds > 0, got {seconds}")
+        self.seconds, self.skip = float(seconds), skip
+        # enough steps to average over packed batches of different lengths, few enough to fit early
+        self.window = window or max(8, min(50, max_steps // 30))
+        self.times: list[float] = []
+
+    def add(self, seconds: float) -> None:
+        self.times.append(seconds)
+
+    def due(self) -> bool:
+        return len(self.times) == self.skip + self.window
+
+    def per_step(self) -> float:
+        """Mean seconds of the timed steps (the first `skip` left out)."""
+        timed = self.times[self.skip:] or self.times
+        return sum(timed) / max(1, len(timed))
+
+    def fit(self, done: int, max_steps: int, per_step: float) -> int:
+        """Steps the run trains in all: `done` so far plus what the rest of the budget buys at `per_step`
+        seconds each, at most `max_steps`, at least `done` (a budget already spent ends the run now)."""
+        left = self.seconds - sum(self.times)
+        more = int(left // per_step) if per_step > 0 else max_steps
+        return max(done, min(max_steps, done + max(0, more)))
