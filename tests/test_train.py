@@ -880,18 +880,18 @@ def test_a_step_budget_fits_the_run_and_a_resume_finishes_it(tiny_data, tmp_path
 
     monkeypatch.setattr(B.StepBudget, "per_step", lambda self: 10.0)
     run = tmp_path / "run"
-    out = train(_cfg(tiny_data, run, max_steps=200, max_minutes=1.0, save_every=4))
-    assert out["step"] == 15 and out["budget"]["fitted_steps"] == 15 and out["budget"]["max_steps"] == 200
+    out = train(_cfg(tiny_data, run, max_steps=80, max_minutes=1.0, save_every=4))  # timed: 2 + 8 steps
+    assert out["step"] == 15 and out["budget"]["fitted_steps"] == 15 and out["budget"]["max_steps"] == 80
     man = read_manifest(run)
     assert man["complete"] and man["fitted_steps"] == 15
     first = _metrics(run)
     assert [r["step"] for r in first if "loss" in r] == list(range(1, 16))
     lr_last = [r["lr"] for r in first if "lr" in r][-1]
     assert lr_last == pytest.approx(WarmupCosine(2e-3, 2, 15, 0.1)(14))  # the cosine ends at the fitted step
-    assert train(_cfg(tiny_data, run, max_steps=200, max_minutes=1.0, save_every=4, resume=True))["skipped"]
+    assert train(_cfg(tiny_data, run, max_steps=80, max_minutes=1.0, save_every=4, resume=True))["skipped"]
 
     shutil.rmtree(run / "checkpoints" / "step_15")  # killed after step 12's checkpoint
-    out = train(_cfg(tiny_data, run, max_steps=200, max_minutes=1.0, save_every=4, resume=True))
+    out = train(_cfg(tiny_data, run, max_steps=80, max_minutes=1.0, save_every=4, resume=True))
     assert out["step"] == 15 and out["steps_run"] == 3
     again = _metrics(run)
     assert [r["step"] for r in again if "loss" in r] == list(range(1, 16))
