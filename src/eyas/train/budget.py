@@ -6,7 +6,9 @@ counted), takes the slowest rank's mean seconds per step, and trains min(max_ste
 in what is left of the budget); the cosine horizon follows the fitted count (unless
 `train.lr_decay_steps` fixes it), so the run still ends at its minimum lr. Checkpoint saves and
 serve-evals are outside the budget: they measure the run, they do not train it. The fitted count is
-kept in the run's manifest, so a resume finishes the same run rather than fitting again.
+kept in the run's manifest, so a resume finishes the same run rather than fitting again (to train past
+it, resume with `train.max_minutes=0` and the `max_steps` wanted; `train.lr_decay_steps` sets a new
+horizon). A run killed before its fit times its steps afresh when resumed.
 """
 
 from __future__ import annotations
