@@ -38,6 +38,7 @@ COUNTERS = {
     "vllm:spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"
+ENGINE_UP = "eyas.vllm_runner: engine up"
 TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
@@ -154,6 +155,7 @@ def main(spec_path: str, result_path: str) -> None:
     t0 = time.perf_counter()
     llm = _engine(spec)
     load_s = time.perf_counter() - t0
+    print(ENGINE_UP, flush=True)  # run(): a failure after this line is not the process layout's
     params = SamplingParams(
         max_tokens=int(spec.get("max_tokens", 128)),
         temperature=float(spec.get("temperature", 0.0)),
@@ -224,7 +226,22 @@ def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike
     # the engine core and its one worker inside the runner process (vLLM's uni executor), not two more spawned
     # processes that import torch and vLLM again: the same counters and texts, ~20 s less per engine (2026-12-06,
     # AMD EPYC avx512_bf16: start 5.4-6.7 s against 20.5-22.5 s; docs/tokens-per-hour.md). Yours wins if set.
-    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM 0.32 CPU cannot start some engines that way (its kernel-override scan trips on modules the caller
+    # imported: llvmlite's, with the Kimi-K2.5 tiny target): a start that fails in-process runs again multiprocess.
+    if "VLLM_ENABLE_V1_MULTIPROCESSING" not in env:
+        try:
+            return _run(spec, timeout, log_path, {**env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, retry_unstarted=True)
+        except _NotStarted:
+            pass
+    return _run(spec, timeout, log_path, env)
+
+
+class _NotStarted(Exception):
+    """The in-process engine did not come up (no ENGINE_UP in its log)."""
+
+
+def _run(spec: dict[str, Any], timeout: float, log_path: str | os.PathLike | None, env: dict[str, str],
+         retry_unstarted: bool = False) -> dict[str, Any]:
     if spec.get("kv_cache_gib"):
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(float(spec["kv_cache_gib"]))))  # whole GiB
     # named after this process: its watchdog removes the dir if eyas is killed while the engine runs
@@ -246,6 +263,10 @@ def run(spec: dict[str, Any], timeout: float = 3600, log_path: str | os.PathLike
                 rc = None
         if rc != 0 or not rp.exists():
             text = log.read_text(errors="replace")
+            if retry_unstarted and rc is not None and ENGINE_UP not in text:
+                print(f"eyas: vLLM did not start in-process ({root_causes(text, 1)}); starting it multiprocess",
+                      file=sys.stderr, flush=True)
+                raise _NotStarted()
             why = "timed out" if rc is None else f"exited with {rc}"
             raise RuntimeError(
                 f"vLLM runner {why} (target {spec.get('target')}, draft {spec.get('draft')}); log {log}\n"
