@@ -113,11 +113,12 @@ def plan(cfg: Recipe) -> list[tuple[str, str]]:
                      + (f"; there now: {_n(fman.get('num_samples', 0))} samples" if fman else "")))
 
     from eyas.checkpoints import latest_checkpoint
+    from eyas.train.budget import resumed_max_steps
 
     seen = t.max_steps * t.token_budget * t.grad_accum * max(1, cfg.run.nproc)
     ck = latest_checkpoint(out / "train") if (out / "train").is_dir() else None
     tman = (read_manifest(out / "train") or {}) if ck is not None else {}
-    last = min(t.max_steps, tman.get("fitted_steps") or t.max_steps) if t.max_minutes > 0 else t.max_steps
+    last = resumed_max_steps(t.max_steps, t.max_minutes, tman)
     state = "to do" if ck is None else (
         "done: skipped" if tman.get("complete") and ck.name == f"step_{last}" else f"resumes from {ck.name}")
     budget = (f"; at most train.max_minutes {t.max_minutes:g} of steps: fewer steps where they do not fit, timed on "

@@ -1,7 +1,7 @@
 """`train.max_minutes`: a wall-clock budget for the optimizer steps, sized to the machine they run on.
 
-The same recipe trains at ~0.9 s a step on one CPU and ~3 s on another, so a step count alone cannot
-promise a time. With a budget the trainer times its first steps (the first `skip` are set-up and not
+The demo's step took ~1.5 s on the AVX-512 EPYC and (derived) ~3 s on the AVX2 one, so a step count
+alone cannot promise a time. With a budget the trainer times its first steps (the first `skip` are set-up and not
 counted), takes the slowest rank's mean seconds per step, and trains min(max_steps, the steps that fit
 in what is left of the budget); the cosine horizon follows the fitted count (unless
 `train.lr_decay_steps` fixes it), so the run still ends at its minimum lr. Checkpoint saves and
@@ -12,6 +12,14 @@ horizon). A run killed before its fit times its steps afresh when resumed.
 """
 
 from __future__ import annotations
+
+from typing import Any
+
+
+def resumed_max_steps(max_steps: int, max_minutes: float, manifest: dict[str, Any]) -> int:
+    """The step count a run dir's training ends at: `max_steps`, or fewer when its budget was fitted."""
+    fitted = (manifest.get("budget") or {}).get("fitted_steps")
+    return min(max_steps, int(fitted)) if max_minutes > 0 and fitted else max_steps
 
 
 class StepBudget:

@@ -40,7 +40,7 @@ from eyas.models import eyas_home, resolve_target
 from eyas.stage import ChangedOutput, inherited, output_dir
 from eyas.target import load_head, target_final_norm, target_layer, text_config
 from eyas.train import parallel as P
-from eyas.train.budget import StepBudget
+from eyas.train.budget import StepBudget, resumed_max_steps
 from eyas.train.checkpoint import load_checkpoint, save_checkpoint
 from eyas.train.data import collate, open_data
 from eyas.train.metrics import MetricsLogger, format_line, summarize
@@ -344,13 +344,12 @@ class Trainer:
         self.unmeasured = False  # the checkpoint resumed from was due for the callback and has no record
         self.data_id = data_identity(cfg)
         self.ckpt, step = resume_point(cfg, self.data_id)
-        self.fitted: int | None = None  # train.max_minutes: the step count its budget fitted, kept for a resume
+        # train.max_minutes: what its budget fitted (kept in the manifest: a resume finishes that run)
         self.budget_info: dict[str, Any] = {}
         if self.ckpt is not None and cfg.max_minutes > 0:
-            fitted = (read_manifest(self.run_dir) or {}).get("fitted_steps")
-            if fitted:  # the budget was fitted before the interruption: finish that run
-                self.fitted = int(fitted)
-                self.cfg = cfg = dataclasses.replace(cfg, max_steps=min(cfg.max_steps, self.fitted))
+            self.budget_info = (read_manifest(self.run_dir) or {}).get("budget") or {}
+            self.cfg = cfg = dataclasses.replace(cfg, max_steps=resumed_max_steps(cfg.max_steps, cfg.max_minutes,
+                                                                                 {"budget": self.budget_info}))
         if self.ckpt is not None and d.rank == 0:
             repair_latest(self.run_dir, self.ckpt)
             remove_temp_files(self.run_dir)  # a manifest write a kill cut short
@@ -434,8 +433,8 @@ class Trainer:
                            world_size=self.d.world, precision=self.precision, device=str(self.d.device),
                            fsdp=self.draft.sharded,
                            draft_config=self.draft_cfg, draft_vocab=self.vocab.info(), source=self.src.describe(),
-                           start_step=self.start, data_id=self.data_id, fitted_steps=self.fitted,
-                           budget=self.budget_info or None, **extra)
+                           start_step=self.start, data_id=self.data_id,
+                           fitted_steps=self.budget_info.get("fitted_steps"), budget=self.budget_info or None, **extra)
 
     # ---- verbs
     def step(self, step: int) -> torch.Tensor | None:
@@ -541,7 +540,8 @@ class Trainer:
             self._evaluate(self.ckpt, self.start, {"est_al": self.logger.last("est_al"), **self.simulate(self.start)})
         t_run = time.perf_counter()
         self.lr = self.draft.sched(self.start)
-        budget = StepBudget(cfg.max_minutes * 60, cfg.max_steps) if cfg.max_minutes > 0 and self.fitted is None else None
+        fitted = "fitted_steps" in self.budget_info
+        budget = StepBudget(cfg.max_minutes * 60, cfg.max_steps) if cfg.max_minutes > 0 and not fitted else None
         step, self.steps_s = self.start, 0.0  # seconds in optimizer steps (saves and serve-evals apart)
         while step < self.cfg.max_steps:
             step += 1
@@ -551,9 +551,10 @@ class Trainer:
                 _log(f"the data stream ended after {done} steps", d)
                 break
             done = step
-            self.steps_s += time.perf_counter() - t_step
+            dt = time.perf_counter() - t_step
+            self.steps_s += dt
             if budget is not None:
-                budget.add(time.perf_counter() - t_step)
+                budget.add(dt)
                 if budget.due():
                     self._fit_budget(budget, step, bar)
                     budget = None
@@ -591,7 +592,6 @@ class Trainer:
             per_step = float(t.item())
         asked = self.cfg.max_steps
         n = budget.fit(step, asked, per_step)
-        self.fitted = n
         self.cfg = dataclasses.replace(self.cfg, max_steps=n)
         if not self.cfg.lr_decay_steps:
             self.draft.sched.decay_steps = max(1, n)
