@@ -63,14 +63,21 @@ class FakeEngine:
 
 
 class StreamingFake(FakeEngine):
-    """FakeEngine with `stream`, as vLLM in-process and endpoints have: conversations take turns round robin,
-    so a conversation's second turn runs after the other conversations' first turns, as in continuous batching."""
+    """FakeEngine with `stream`, as vLLM in-process and endpoints have: `slots` requests in flight, taking
+    turns round robin, so a conversation's second turn runs after the others' first turns, as in continuous
+    batching; a new conversation is pulled from `first` only when a slot frees, as the real engines do."""
+
+    slots = 3
 
     def stream(self, first, sampling, then):
         from collections import deque
 
-        todo = deque(first)
-        while todo:
+        firsts, todo = iter(first), deque()
+        while True:
+            while len(todo) < self.slots and (item := next(firsts, None)) is not None:
+                todo.append(item)
+            if not todo:
+                return
             tag, r = todo.popleft()
             nxt = then(tag, self.generate([r], sampling)[0])
             if nxt is not None:
@@ -489,7 +496,9 @@ def test_hf_engine_replies_equal_vllm_float32(slow_inputs, embedded_target, tmp_
     assert {i: rows[i]["messages"][-1]["content"] for i in want} == want
 
 
-def test_a_time_budget_stops_between_batches_and_the_same_command_continues(tmp_path, embedded_target, tok_template):
+def test_a_time_budget_stops_between_batches_and_a_larger_one_continues(tmp_path, embedded_target, tok_template):
+    """Turn by turn (an engine without `stream`) the budget is checked before each batch of 4 x concurrency
+    conversations. A run its budget stopped is complete for that budget; another budget (0: none) continues."""
     tok, _ = tok_template
 
     class Slow(FakeEngine):
@@ -503,8 +512,37 @@ def test_a_time_budget_stops_between_batches_and_the_same_command_continues(tmp_
     eng = Slow(tok)
     out = synthesize(cfg, engine=eng)
     man = read_manifest(out)
-    assert len(eng.calls) == 1 and man["counts"]["ok"] == 4 and man["counts"]["pending"] == 8 and not man["complete"]
+    assert len(eng.calls) == 1 and man["counts"]["ok"] == 4 and man["counts"]["pending"] == 8
+    assert man["complete"] and man["budget"] == {"max_seconds": 0.1, "spent": True}
+    assert not (out / "skipped.jsonl").exists() or not (out / "skipped.jsonl").read_text().strip()
+    synthesize(cfg, engine=(eng1 := Slow(tok)))  # the same budget: done
+    assert not eng1.calls
     eng2 = Slow(tok)
     synthesize(SynthConfig(**{**cfg.__dict__, "max_seconds": 0}), engine=eng2)  # the budget is not in the key
     assert len(eng2.calls) == 2 and sorted(read_out(out)) == sorted(f"r{i}" for i in range(12))
-    assert read_manifest(out)["complete"]
+    man = read_manifest(out)
+    assert man["complete"] and man["budget"] is None and man["counts"]["pending"] == 0
+
+
+def test_a_time_budget_is_checked_as_each_conversation_would_start(tmp_path, embedded_target, tok_template):
+    """Continuous turns: once the budget is spent no new conversation enters the engine, the ones in it finish
+    every turn, and the unstarted ones are neither written nor counted as skipped; a larger budget continues."""
+    tok, _ = tok_template
+
+    class Slow(StreamingFake):
+        def generate(self, reqs, sampling, on_done=None):
+            time.sleep(0.05)
+            return super().generate(reqs, sampling, on_done)
+
+    rows = [{"id": f"r{i}", "messages": [U(f"q{i}"), A("a"), U(f"again {i}")]} for i in range(20)]
+    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
+    cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"), concurrency=8,
+                      max_seconds=0.12)  # one batch of 20 conversations; 3 slots of 0.05 s replies
+    out = synthesize(cfg, engine=(eng := Slow(tok)))
+    got, man = read_out(out), read_manifest(out)
+    assert 3 <= len(got) < 20 and all(len(r["meta"]["finish_reasons"]) == 2 for r in got.values())  # begun: finished
+    assert man["complete"] and man["budget"]["spent"] and man["counts"]["pending"] == 20 - len(got)
+    assert man["counts"]["skipped"] == 0 and not (out / "skipped.jsonl").exists()
+    assert len(eng.calls) == 2 * len(got)  # nothing started that was not finished
+    synthesize(SynthConfig(**{**cfg.__dict__, "max_seconds": 60}), engine=Slow(tok))
+    assert sorted(read_out(out)) == sorted(r["id"] for r in rows) and read_manifest(out)["counts"]["pending"] == 0

@@ -531,6 +531,24 @@ def test_a_cut_off_evaluation_is_redone_on_resume(tiny_data, tmp_path):
     assert [r["step"] for r in _metrics(tmp_path / "run2") if "loss" in r] == [1, 2, 3, 4]
 
 
+def test_a_lone_final_checkpoint_is_left_to_the_eval_stage(tiny_data, tmp_path):
+    """`train.eval_lone_final: false` (what `eyas run` sets): the final checkpoint is not serve-evaluated when no
+    earlier one was (nothing to choose between; the eval stage measures it), and a resume does not redo it;
+    with an earlier one measured, the final one is, so the best can be picked."""
+    from eyas.train import train
+
+    cb = _Measure()
+    cfg = _cfg(tiny_data, tmp_path / "run", max_steps=3, eval_every=5, resume=True, eval_lone_final=False)
+    assert train(cfg, on_checkpoint=cb)["step"] == 3 and cb.calls == []
+    assert train(cfg, on_checkpoint=cb)["skipped"] and cb.calls == []  # a re-run: nothing to measure
+    cb = _Measure()
+    train(_cfg(tiny_data, tmp_path / "run2", max_steps=4, eval_every=2, eval_lone_final=False), on_checkpoint=cb)
+    assert cb.calls == [2, 4]
+    cb = _Measure()
+    train(_cfg(tiny_data, tmp_path / "run3", max_steps=3, eval_every=5), on_checkpoint=cb)  # the default
+    assert cb.calls == [3]
+
+
 def test_other_data_at_the_same_path_is_another_run(tiny_data, tmp_path):
     """Features rewritten in place (same path, other shards) make the run dir another run's:
     a ChangedOutput naming the data, which `eyas run` sets aside."""

@@ -63,7 +63,7 @@ class SynthConfig:
     engine: Literal["vllm", "hf"] = "vllm"  # hf: transformers' batched greedy generation, where vLLM is missing
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # the target's dtype (auto: eyas.host.engine_dtype)
     device: str = "cpu"  # hf engine: where the target runs (cpu, cuda:0, ...)
-    max_seconds: float = 0  # stop starting batches after this long (0: no limit); a re-run continues
+    max_seconds: float = 0  # of generation: then no new conversation starts, those begun finish (0: no limit)
     # continuous: a conversation's next turn enters the engine as soon as its reply is back (vLLM in-process,
     # endpoints); turns: every conversation's turn t before any turn t+1 (the hf engine always does this)
     schedule: Literal["continuous", "turns"] = "continuous"
@@ -124,6 +124,9 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 0  # serve-eval every N steps (0: only at the end), measured with the eval section
     eval_limit: int = 16  # serve-eval on the first N prompts of eval.prompts (0: all)
+    # serve-eval the last checkpoint when no earlier one was measured (nothing to choose between); eyas run
+    # sets false: its eval stage measures that draft on every held-out prompt
+    eval_lone_final: bool = True
     holdout: int = 0  # offline: feature samples kept out of training; their simulated AL is logged at each evaluation
     max_samples: int = 0  # offline: train on this many of the other samples (0: all; nested subsets for learning curves)
     precision: Literal["auto", "bf16", "fp32"] = "auto"
@@ -190,6 +193,7 @@ class EvalConfig:
     timeout: int = 3600  # seconds for the vLLM subprocess
     eager: bool = True  # no torch.compile / CUDA graphs: fast start, slower decode (AL unaffected)
     ngram: bool = True  # `eyas run`: also serve vLLM's n-gram lookup on the same prompts (the bar a draft must beat)
+    suffix: bool = True  # `eyas run`, with ngram: also suffix decoding (where arctic-inference is built)
 
 
 @dataclass

@@ -200,6 +200,7 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
         t.features = str(out / "features") if t.source == "offline" else str(conversations)
         t.target, t.out = str(serve_target), str(out / "train")
         t.resume = True  # the run dir's own training: a killed run continues from its last checkpoint
+        t.eval_lone_final = False  # the eval stage below measures the last checkpoint on every held-out prompt
         cfg.eval.target, cfg.eval.prompts = str(serve_target), str(eval_prompts)  # serve-eval measures with eval.*
         again_if_changed(out, lambda: _train(cfg, cfg.run.nproc))
 
@@ -226,7 +227,7 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
             vn = dataclasses.replace(v, draft="ngram", out=str(out / "eval_ngram.json"))
             report["eval_ngram"] = _once(out / "eval_ngram.json", {**measured, "draft": "ngram", "eval": to_dict(vn)},
                                          lambda: evaluate(vn))
-            why = suffix_available()
+            why = suffix_available() if v.suffix else "eval.suffix is off"
             if why:
                 print(f"eyas run: suffix decoding not measured: {why}", flush=True)
             else:  # Arctic Inference's suffix trees (vLLM method "suffix"), the other no-training proposer

@@ -16,6 +16,7 @@ from eyas.io import iter_jsonl
 from eyas.manifest import read_manifest
 from eyas.models import REGISTRY, model_dir
 from eyas.synth import KEY_FIELDS as SYNTH_KEY
+from eyas.synth import finished as synth_finished
 
 BYTES = {"bf16": 2, "fp8": 1}
 
@@ -86,7 +87,15 @@ def plan(cfg: Recipe) -> list[tuple[str, str]]:
         size = (f"<= {_n(cap)} conversations; >= one reply each of <= {s.max_tokens} new tokens (the prompts are not "
                 "there yet to count their user turns)") if cap else "the prompts are not there yet to count"
     done = sman.get("counts") or {}
-    rows.append(("synth", f"{_state(out / 'synth', differs)}; {size}"
+    state = _state(out / "synth", differs)
+    if state == "done: skipped" and not synth_finished(sman, s):
+        state = (f"partial: resumes (its {sman['budget']['max_seconds']:g} s budget was spent; this recipe's "
+                 f"synth.max_seconds is {s.max_seconds:g})")
+    elif state == "done: skipped" and (sman.get("budget") or {}).get("spent"):
+        state = f"done: skipped (stopped by its synth.max_seconds={s.max_seconds:g})"
+    if s.max_seconds and not state.startswith("done"):
+        size += f"; stops starting conversations after {s.max_seconds:g} s of generation (synth.max_seconds)"
+    rows.append(("synth", f"{state}; {size}"
                  + (f"; there now: {_n(done.get('ok', 0))} done, {_n(done.get('pending', 0))} pending, "
                     f"{_n((sman.get('tokens') or {}).get('completion', 0))} tokens" if done else "")))
 
@@ -98,7 +107,8 @@ def plan(cfg: Recipe) -> list[tuple[str, str]]:
     else:
         fman = read_manifest(out / "features") or {}
         differs = [k for k in ("dtype", "max_len") if k in fman and fman[k] != {"dtype": e.dtype, "max_len": max_len}[k]]
-        if sman.get("complete"):
+        synth_done = synth_finished(sman, s)
+        if synth_done:
             toks = (sman.get("tokens") or {})
             n = toks.get("prompt", 0) + toks.get("completion", 0)
             how = f"~{_n(n)} tokens (the synthesis' prompt + completion tokens; each conversation cut at {max_len})"
@@ -107,7 +117,7 @@ def plan(cfg: Recipe) -> list[tuple[str, str]]:
             n = convs * max_len
             how = f"<= {_n(n)} tokens ({'' if recs is not None else '<= '}{_n(convs)} conversations x max_len {max_len})"
         size = (f"{how}; x {per_token} states x hidden {shape['hidden_size']} x {BYTES[e.dtype]} bytes = "
-                f"{'~' if sman.get('complete') else '<= '}{_gb(n * per_token * shape['hidden_size'] * BYTES[e.dtype])}"
+                f"{'~' if synth_done else '<= '}{_gb(n * per_token * shape['hidden_size'] * BYTES[e.dtype])}"
                 if shape and n else how + " (x the target's hidden size, not on disk yet)")
         rows.append(("extract", f"{_state(out / 'features', differs)}; {e.backend} backend, {e.dtype}; {size}"
                      + (f"; there now: {_n(fman.get('num_samples', 0))} samples" if fman else "")))

@@ -54,6 +54,7 @@ class Conv:
                                                            "completion_tokens": []})
     stopped: str | None = None  # why generation ended before the last point
     error: str | None = None
+    started: bool = False  # its first request was made (a time budget may leave a conversation unstarted)
 
     @property
     def id(self) -> str:
@@ -161,13 +162,17 @@ def check_endpoint_template(engine: EndpointEngine, tok, template: str, messages
             )
 
 
-def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, max_len: int, on_done) -> None:
+def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, max_len: int, on_done,
+              spent=lambda: False) -> None:
     """Generate every point of `convs`. Under `synth.schedule: continuous` an engine with `stream` (vLLM
-    in-process, endpoints) takes each conversation's next turn as soon as its previous reply is back;
-    otherwise (or the hf engine) turn index by turn index, one engine call per turn."""
+    in-process, endpoints) takes each conversation's next turn as soon as its previous reply is back, and
+    a new conversation as a slot frees, unless `spent()` (a time budget): then the conversations in the
+    engine finish their turns and the rest stay unstarted. Otherwise (or the hf engine) turn index by
+    turn index, one engine call per turn, `spent()` checked once before the first."""
     sampling = Sampling(cfg.temperature, cfg.top_p)
 
     def request(c: Conv, t: int) -> Request | None:
+        c.started = True
         ids = render_prompt_ids(tok, c.msgs + c.points[t], template)
         room = max_len - len(ids)
         if room < min(cfg.max_tokens, MIN_ROOM):
@@ -194,8 +199,16 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
             t = len(c.meta["finish_reasons"])
             return None if c.stopped or t >= len(c.points) else request(c, t)
 
-        first = [(c, r) for c in convs if c.points and not c.stopped and (r := request(c, 0)) is not None]
-        engine.stream(first, sampling, then)
+        def first():
+            for c in convs:
+                if spent():
+                    return
+                if c.points and not c.stopped and (r := request(c, 0)) is not None:
+                    yield c, r
+
+        engine.stream(first(), sampling, then)
+        return
+    if spent():
         return
     for t in range(max(len(c.points) for c in convs)):
         reqs, owners = [], []
@@ -222,6 +235,13 @@ def _key(cfg: SynthConfig, target: Path, template: str) -> dict[str, Any]:
     return key | {k: getattr(cfg, k) for k in ("engine", "dtype") if getattr(cfg, k) != getattr(defaults, k)}
 
 
+def finished(man: dict[str, Any], cfg: SynthConfig) -> bool:
+    """A complete synth manifest is done for `cfg` unless its time budget stopped it and `cfg` sets
+    another one (or none): then the pending conversations are still to run."""
+    budget = man.get("budget") or {}
+    return bool(man.get("complete")) and (not budget.get("spent") or budget.get("max_seconds") == cfg.max_seconds)
+
+
 def synthesize(cfg: SynthConfig, engine=None) -> Path:
     """Run (or resume) synthesis into `cfg.out`; returns the output dir. `engine` overrides the config's.
     One writer per dir (`eyas.lock`): a second one is refused."""
@@ -246,8 +266,9 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
         raise ValueError(f"{cfg.prompts}: no usable prompts ({why}); each line needs an id and messages "
                          "[{role, content}, ...] (make one with `eyas data fetch` / `eyas data mix`)")
     o = claim(out, "synth", key)
-    if o.complete:
-        say_complete("synth", out, f"{o.manifest['counts']['ok']} conversations")
+    if o.complete and finished(o.manifest, cfg):
+        say_complete("synth", out, f"{o.manifest['counts']['ok']} conversations"
+                     + (f" (its {cfg.max_seconds:g} s budget spent)" if (o.manifest.get("budget") or {}).get("spent") else ""))
         return out
 
     done = {str(r["id"]) for r in scan_jsonl(out / OUT_FILE, "eyas synth")} | {str(r["id"]) for r in scan_jsonl(out / SKIP_FILE, "eyas synth")}
@@ -280,19 +301,24 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                 bar.update(1)
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.monotonic() - t_gen, 1e-9):.0f} tok/s")
 
+            def spent() -> bool:
+                """synth.max_seconds of generation gone: no new conversation starts (checked as each would)."""
+                if cfg.max_seconds and not stats.get("budget") and time.monotonic() - t_gen >= cfg.max_seconds:
+                    stats["budget"] = time.monotonic() - t_gen
+                return bool(stats.get("budget"))
+
             t_gen = time.monotonic()
             try:
                 for i in range(0, len(todo), max(1, batch)):
-                    if cfg.max_seconds and time.monotonic() - t_gen >= cfg.max_seconds:
-                        stats["budget"] = f"stopped after {time.monotonic() - t_gen:.0f} s (synth.max_seconds)"
+                    if spent():
                         break
                     chunk = todo[i : i + batch]
-                    run_batch(engine, chunk, cfg, tok, template, max_len, on_done)
+                    run_batch(engine, chunk, cfg, tok, template, max_len, on_done, spent)
                     ok = [c for c in chunk if c.msgs and not c.error]
                     append_jsonl(out / OUT_FILE, [{**c.record, "messages": c.msgs, "meta": {
                         **c.meta, "turns": cfg.turns, "stopped": c.stopped}} for c in ok])
                     append_jsonl(out / SKIP_FILE, [{"id": c.record["id"], "reason": c.stopped}
-                                                   for c in chunk if not c.msgs and not c.error])
+                                                   for c in chunk if c.started and not c.msgs and not c.error])
                     failed.update(c.error.split(":")[0][:80] for c in chunk if c.error)
             except EngineError as e:
                 engine_err = e
@@ -305,8 +331,12 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     tps = stats["tokens"] / stats["gen_s"] if stats["gen_s"] else None
     counts = {"ok": len(rows), "failed": sum(failed.values()), "skipped": sum(input_skips.values()) +
               sum(gen_skips.values()), "pending": pending, "turns": sum(len(r["meta"]["finish_reasons"]) for r in rows)}
+    # a run its budget stopped is complete for that budget (`eyas run` goes on with what it made; a re-run
+    # with the same budget does nothing); another synth.max_seconds, or 0, continues with the pending ones
+    budget = {"max_seconds": cfg.max_seconds, "spent": bool(stats.get("budget"))} if cfg.max_seconds else None
     write_manifest(
-        out, "synth", cfg, complete=pending == 0 and not failed, counts=counts,
+        out, "synth", cfg, complete=(pending == 0 or bool(budget and budget["spent"])) and not failed, counts=counts,
+        budget=budget,
         skip_reasons=dict(input_skips + gen_skips), failed_reasons=dict(failed), finish_reasons=dict(finish),
         tokens={"prompt": sum(sum(r["meta"]["prompt_tokens"]) for r in rows),
                 "completion": sum(sum(r["meta"]["completion_tokens"]) for r in rows)},
@@ -320,8 +350,9 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
         **common,
     )
     if stats.get("budget"):
-        print(f"eyas synth: {stats['budget']}: {pending} conversations pending; the same command continues",
-              file=sys.stderr)
+        print(f"eyas synth: synth.max_seconds ({cfg.max_seconds:g} s) spent after {stats['budget']:.0f} s of generation: "
+              f"no new conversation started, those begun finished; {pending} not started (the same command with "
+              "a larger synth.max_seconds, or 0 for none, continues with them)", file=sys.stderr)
     if tps:
         print(f"eyas synth: {stats['requests']} requests, {stats['tokens']} tokens in {stats['gen_s']:.1f} s: "
               f"{tps:.1f} tokens/s (engine start {stats['start_s']:.1f} s)", file=sys.stderr)

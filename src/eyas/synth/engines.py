@@ -8,10 +8,9 @@ target, a quantized one (`eyas quantize --emulate`) included; vLLM is imported l
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from eyas.host import apply_vllm_env, engine_dtype
@@ -50,6 +49,9 @@ class Sampling:
 
 OnDone = Callable[[Completion], None]
 Then = Callable[[object, Completion], "Request | None"]  # (tag, its completion) -> the tag's next request, or None
+# `stream`'s first requests: pulled one at a time, as a slot frees, so the caller may stop handing out new
+# conversations (a time budget) while the ones already in the engine finish their turns
+Firsts = Iterable[tuple[object, Request]]
 
 
 class InProcessEngine:
@@ -61,7 +63,7 @@ class InProcessEngine:
 
         apply_vllm_env()
         dtype = dtype or engine_dtype()
-        self.model, self.dtype = str(model), dtype
+        self.model, self.dtype, self.max_num_seqs = str(model), dtype, max_num_seqs
         # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
         try:
             self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
@@ -101,17 +103,18 @@ class InProcessEngine:
                 on_done(res[-1])
         return res
 
-    def stream(self, first: list[tuple[object, Request]], sampling: Sampling, then: Then) -> None:
-        """Continuous turns: every tag's first request enters the engine at once, and each tag's next
-        request (`then(tag, completion)`) as soon as its previous one is done, so the engine keeps its
-        batch full while conversations move through their turns at their own pace."""
+    def stream(self, first: Firsts, sampling: Sampling, then: Then) -> None:
+        """Continuous turns: each tag's next request (`then(tag, completion)`) enters the engine as soon as
+        its previous one is done, and a new tag from `first` whenever fewer than `max_num_seqs` requests are
+        in flight, so the engine keeps its batch full while conversations move through their turns at their
+        own pace (and `first` is only read as far as the engine has room)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        eng, live, n = self.llm.llm_engine, {}, 0
+        eng, live, n, firsts = self.llm.llm_engine, {}, 0, iter(first)
 
-        def add(tag: object, r: Request) -> None:
+        def add(tag: object, r: Request | None) -> None:
             nonlocal n
             while r is not None:
                 n += 1
@@ -125,8 +128,11 @@ class InProcessEngine:
                 live[f"eyas-{n}"] = tag
                 return
 
-        for tag, r in first:
-            add(tag, r)
+        def fill() -> None:
+            while len(live) < self.max_num_seqs and (item := next(firsts, None)) is not None:
+                add(*item)
+
+        fill()
         try:
             while live:
                 for o in eng.step():
@@ -134,9 +140,9 @@ class InProcessEngine:
                         continue
                     c = o.outputs[0]
                     tag = live.pop(o.request_id)
-                    nxt = then(tag, Completion(c.text, len(c.token_ids), len(o.prompt_token_ids), str(c.finish_reason)))
-                    if nxt is not None:
-                        add(tag, nxt)
+                    add(tag, then(tag, Completion(c.text, len(c.token_ids), len(o.prompt_token_ids),
+                                                  str(c.finish_reason))))
+                fill()
         except EngineDeadError as e:
             raise self._refused(e) from None
 
@@ -224,22 +230,21 @@ class EndpointEngine:
         assert all(r is not None for r in res)
         return res  # type: ignore[return-value]
 
-    def stream(self, first: list[tuple[object, Request]], sampling: Sampling, then: Then) -> None:
+    def stream(self, first: Firsts, sampling: Sampling, then: Then) -> None:
         """Continuous turns: `concurrency` conversations in flight per endpoint, each taking its turns
         one after another (`then(tag, completion)` gives its next request), the next conversation
-        starting as soon as one is done."""
-        todo: queue.Queue[tuple[object, Request]] = queue.Queue()
-        for item in first:
-            todo.put(item)
+        taken from `first` as soon as one is done."""
+        firsts = iter(first)
         fatal: list[EngineError] = []
         lock = threading.Lock()
 
         def worker(url: str) -> None:
             while not fatal:
-                try:
-                    tag, r = todo.get_nowait()
-                except queue.Empty:
+                with lock:
+                    item = next(firsts, None)
+                if item is None:
                     return
+                tag, r = item
                 while r is not None and not fatal:
                     try:
                         c = self._complete(url, r, sampling)
@@ -250,7 +255,7 @@ class EndpointEngine:
                         r = then(tag, c)
 
         threads = [threading.Thread(target=worker, args=(u,), daemon=True)
-                   for u in self.urls for _ in range(min(self.concurrency, len(first)))]
+                   for u in self.urls for _ in range(self.concurrency)]
         for t in threads:
             t.start()
         for t in threads:

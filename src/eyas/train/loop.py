@@ -266,7 +266,7 @@ def build_draft(cfg: TrainConfig, target_dir: str, tcfg: Any, layer_ids: list[in
 # What a resume may change: how long, how often to save / log / evaluate, threads and trust. Everything
 # else (data, lr, loss, draft shape, ...) changes the run, so a run dir holding it is refused.
 RESUME_MAY_CHANGE = {"target", "out", "max_steps", "max_minutes", "resume", "trust_checkpoint", "save_every", "eval_every",
-                     "eval_limit", "log_every", "score_every", "threads", "progress", "lr_decay_steps", "fsdp"}
+                     "eval_limit", "eval_lone_final", "log_every", "score_every", "threads", "progress", "lr_decay_steps", "fsdp"}
 
 
 def settings_changed(prev: dict[str, Any], cfg: TrainConfig) -> list[str]:
@@ -405,11 +405,27 @@ class Trainer:
         self.micro_seen = 0  # micro-batches this run: every score_every-th is scored, and each log window's first
         self.tokens_run = 0
 
+    def _lone_final(self, step: int, final: bool) -> bool:
+        """A final checkpoint the callback skips: no earlier one was measured (nothing to choose between)
+        and `train.eval_lone_final` is off (its AL is measured later, as `eyas run`'s eval stage does)."""
+        measured = getattr(self.on_checkpoint, "measured", None)
+        if not final or self.cfg.eval_lone_final or measured is None:
+            return False
+        return not any(measured(s) for s in range(self.cfg.eval_every, step, self.cfg.eval_every or step))
+
+    def _compares(self, step: int, final: bool) -> bool:
+        if not self._lone_final(step, final):
+            return True
+        _log(f"step {step}: the only checkpoint due for a serve-eval: not measured here (train.eval_lone_final "
+             "is off; its true AL is measured after training)", self.d)
+        return False
+
     def _unmeasured(self, step: int) -> bool:
         """The checkpoint at `step` was due for the callback and the callback has no record of it."""
         measured = getattr(self.on_checkpoint, "measured", None)
-        due = step >= self.cfg.max_steps or (self.cfg.eval_every > 0 and step % self.cfg.eval_every == 0)
-        return bool(measured is not None and due and not measured(step))
+        final = step >= self.cfg.max_steps
+        due = final or (self.cfg.eval_every > 0 and step % self.cfg.eval_every == 0)
+        return bool(measured is not None and due and not measured(step) and not self._lone_final(step, final))
 
     def _resume(self) -> int:
         cfg, d, ckpt, dr = self.cfg, self.d, self.ckpt, self.draft
@@ -479,8 +495,9 @@ class Trainer:
             bar.write(format_line(rec))
         self.last_rec, self.win = rec, _Window(self.cfg.ttt_steps, self.d.device)
 
-    def save(self, step: int, evaluate: bool) -> Path:
-        """Checkpoint (every rank); then, when `evaluate`, the checkpoint callback on rank 0."""
+    def save(self, step: int, evaluate: bool, final: bool = False) -> Path:
+        """Checkpoint (every rank); then, when `evaluate`, the checkpoint callback on rank 0 (not for the
+        final checkpoint when no earlier one was measured and `train.eval_lone_final` is off)."""
         dr = self.draft
         trainer_state = {"data": self.data.state_dict(), "schedule": dr.sched.state_dict(),
                          "draft_config": self.draft_cfg, "config": dataclasses.asdict(self.cfg)}
@@ -490,7 +507,7 @@ class Trainer:
         _log(f"saved {self.last_ckpt}", self.d)
         if evaluate:
             estimates = {"est_al": self.last_rec.get("est_al"), **self.simulate(step)}
-            if self.on_checkpoint is not None:
+            if self.on_checkpoint is not None and self._compares(step, final):
                 self._evaluate(self.last_ckpt, step, estimates)
         return self.last_ckpt
 
@@ -568,11 +585,11 @@ class Trainer:
                 bar.set_postfix_str(f"loss {float(loss.detach()):.3f} {self.last_rec.get('tokens_per_s', 0):.0f} tok/s")
             eval_due = final or (cfg.eval_every > 0 and step % cfg.eval_every == 0)
             if eval_due or (cfg.save_every > 0 and step % cfg.save_every == 0):
-                self.save(step, evaluate=eval_due)
+                self.save(step, evaluate=eval_due, final=final)
         if done > self.saved:  # the stream ended early: finish like the last step
             if self.win.steps:
                 self.log(done, bar)
-            self.save(done, evaluate=True)
+            self.save(done, evaluate=True, final=True)
         if bar is not None:
             bar.close()
         elapsed = time.perf_counter() - t_run
