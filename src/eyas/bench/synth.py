@@ -4,7 +4,8 @@ this machine's roofline.
 Each row is the recipe's `synth` section with its overrides (`bench.synth_rows`, "NAME: synth.key=value,
 ..."; the recipe as is comes first as `recipe`), run as the user runs it (`eyas synth` in a child
 process, the engine it starts, the recipe's turns and chunking) on the first `bench.synth_limit`
-conversations of the recipe's training split, into a fresh dir per reading. Every repeat runs every
+conversations of the recipe's training split, into a fresh dir per reading (the recipe's synth.max_seconds off,
+so every row makes the same conversations). Every repeat runs every
 row, the order rotating, so ratios to `recipe` are side by side on a noisy machine.
 
 Per reading: generated tokens/s over the generation time (engine start apart, also printed), and the
@@ -56,6 +57,7 @@ def conversation_flops(tcfg: Any, prompt_tokens: list[int], completion_tokens: l
 
 def _row_yaml(cfg: Recipe, overrides: list[str], prompts: Path, out: Path, limit: int) -> Path:
     row = copy.deepcopy(cfg)
+    row.synth.max_seconds = 0  # every row synthesizes the same conversations (a row may still set a budget)
     for ov in overrides:
         if not ov.startswith("synth."):
             raise ValueError(f"bench.synth_rows: {ov!r}: only synth.* settings change synthesis")
