@@ -124,7 +124,7 @@ class TrainConfig:
     save_every: int = 100
     eval_every: int = 0  # serve-eval every N steps (0: only at the end), measured with the eval section
     eval_limit: int = 16  # serve-eval on the first N prompts of eval.prompts (0: all)
-    # serve-eval the last checkpoint when no earlier one was measured (nothing to choose between); eyas run
+    # serve-eval the last checkpoint when no earlier one was due (nothing to choose between); eyas run
     # sets false: its eval stage measures that draft on every held-out prompt
     eval_lone_final: bool = True
     holdout: int = 0  # offline: feature samples kept out of training; their simulated AL is logged at each evaluation

@@ -54,7 +54,6 @@ class Conv:
                                                            "completion_tokens": []})
     stopped: str | None = None  # why generation ended before the last point
     error: str | None = None
-    started: bool = False  # its first request was made (a time budget may leave a conversation unstarted)
 
     @property
     def id(self) -> str:
@@ -168,11 +167,10 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
     in-process, endpoints) takes each conversation's next turn as soon as its previous reply is back, and
     a new conversation as a slot frees, unless `spent()` (a time budget): then the conversations in the
     engine finish their turns and the rest stay unstarted. Otherwise (or the hf engine) turn index by
-    turn index, one engine call per turn, `spent()` checked once before the first."""
+    turn index, one engine call per turn (the caller checks its budget between batches)."""
     sampling = Sampling(cfg.temperature, cfg.top_p)
 
     def request(c: Conv, t: int) -> Request | None:
-        c.started = True
         ids = render_prompt_ids(tok, c.msgs + c.points[t], template)
         room = max_len - len(ids)
         if room < min(cfg.max_tokens, MIN_ROOM):
@@ -207,8 +205,6 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
                     yield c, r
 
         engine.stream(first(), sampling, then)
-        return
-    if spent():
         return
     for t in range(max(len(c.points) for c in convs)):
         reqs, owners = [], []
@@ -318,7 +314,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                     append_jsonl(out / OUT_FILE, [{**c.record, "messages": c.msgs, "meta": {
                         **c.meta, "turns": cfg.turns, "stopped": c.stopped}} for c in ok])
                     append_jsonl(out / SKIP_FILE, [{"id": c.record["id"], "reason": c.stopped}
-                                                   for c in chunk if c.started and not c.msgs and not c.error])
+                                                   for c in chunk if c.stopped and not c.msgs and not c.error])
                     failed.update(c.error.split(":")[0][:80] for c in chunk if c.error)
             except EngineError as e:
                 engine_err = e

@@ -406,12 +406,9 @@ class Trainer:
         self.tokens_run = 0
 
     def _lone_final(self, step: int, final: bool) -> bool:
-        """A final checkpoint the callback skips: no earlier one was measured (nothing to choose between)
+        """A final checkpoint the callback skips: no earlier one was due (nothing to choose between)
         and `train.eval_lone_final` is off (its AL is measured later, as `eyas run`'s eval stage does)."""
-        measured = getattr(self.on_checkpoint, "measured", None)
-        if not final or self.cfg.eval_lone_final or measured is None:
-            return False
-        return not any(measured(s) for s in range(self.cfg.eval_every, step, self.cfg.eval_every or step))
+        return final and not self.cfg.eval_lone_final and not 0 < self.cfg.eval_every < step
 
     def _compares(self, step: int, final: bool) -> bool:
         if not self._lone_final(step, final):
