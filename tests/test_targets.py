@@ -183,12 +183,14 @@ def test_spec_sampling_expand_defect_and_workaround():
     draft positions, for float and int tensors. (The kernel is called directly: vLLM's own override
     registration rescans every loaded module and trips over some in a long test process. The engine-level
     check: tests/test_hybrid.py::test_sampling_with_the_hybrid_keeps_the_targets_distribution.)"""
-    import vllm._C  # noqa: F401  (the CPU ops)
+    from vllm.platforms import current_platform
     from vllm.utils import cpu_triton_utils
     from vllm.v1.sample import rejection_sampler
 
     from eyas.vllm_fixes import expand_batch_to_tokens, register
 
+    current_platform.import_kernels()  # the CPU ops built for this machine's ISA (`import vllm._C`, the
+    # AVX-512 bf16 build, aborts the process on an AVX2-only CPU)
     temps, cu = torch.tensor([0.7, 0.0, 2.5]), torch.tensor([2, 3, 6], dtype=torch.int32)
     ints = torch.zeros(6, dtype=torch.int64)
     expand = cpu_triton_utils._expand_kernel_impl
