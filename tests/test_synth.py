@@ -498,7 +498,8 @@ def test_hf_engine_replies_equal_vllm_float32(slow_inputs, embedded_target, tmp_
 
 def test_a_time_budget_stops_between_batches_and_a_larger_one_continues(tmp_path, embedded_target, tok_template):
     """Turn by turn (an engine without `stream`) the budget is checked before each batch of 4 x concurrency
-    conversations. A run its budget stopped is complete for that budget; another budget (0: none) continues."""
+    conversations and before each later turn (a batch's conversations then end with the turns they have).
+    A run its budget stopped is complete for that budget; another budget (0: none) continues."""
     tok, _ = tok_template
 
     class Slow(FakeEngine):
@@ -506,27 +507,31 @@ def test_a_time_budget_stops_between_batches_and_a_larger_one_continues(tmp_path
             time.sleep(0.2)
             return super().generate(reqs, sampling, on_done)
 
-    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "messages": [U(f"q{i}")]} for i in range(12)])
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"r{i}", "messages": [U(f"q{i}"), A("a"), U("more")]}
+                                                  for i in range(12)])
     cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"), concurrency=1,
                       max_seconds=0.1)  # batches of 4 conversations: the first runs, then the budget is spent
     eng = Slow(tok)
     out = synthesize(cfg, engine=eng)
     man = read_manifest(out)
-    assert len(eng.calls) == 1 and man["counts"]["ok"] == 4 and man["counts"]["pending"] == 8
+    assert len(eng.calls) == 1 and man["counts"]["ok"] == 4 and man["counts"]["pending"] == 8  # turn 2 never ran
+    assert all(r["meta"]["stopped"] == "budget" and len(r["meta"]["finish_reasons"]) == 1 for r in read_out(out).values())
     assert man["complete"] and man["budget"] == {"max_seconds": 0.1, "spent": True}
     assert not (out / "skipped.jsonl").exists() or not (out / "skipped.jsonl").read_text().strip()
     synthesize(cfg, engine=(eng1 := Slow(tok)))  # the same budget: done
     assert not eng1.calls
     eng2 = Slow(tok)
     synthesize(SynthConfig(**{**cfg.__dict__, "max_seconds": 0}), engine=eng2)  # the budget is not in the key
-    assert len(eng2.calls) == 2 and sorted(read_out(out)) == sorted(f"r{i}" for i in range(12))
+    assert len(eng2.calls) == 4 and sorted(read_out(out)) == sorted(f"r{i}" for i in range(12))  # 2 batches x 2 turns
+    assert all(len(r["meta"]["finish_reasons"]) == 2 for i, r in read_out(out).items() if i not in ("r0", "r1", "r2", "r3"))
     man = read_manifest(out)
     assert man["complete"] and man["budget"] is None and man["counts"]["pending"] == 0
 
 
 def test_a_time_budget_is_checked_as_each_conversation_would_start(tmp_path, embedded_target, tok_template):
-    """Continuous turns: once the budget is spent no new conversation enters the engine, the ones in it finish
-    every turn, and the unstarted ones are neither written nor counted as skipped; a larger budget continues."""
+    """Continuous turns: once the budget is spent no reply starts. The replies in the engine finish, and a
+    conversation whose later turn was still to come ends there (stopped "budget", written with the turns it
+    has); the unstarted ones are neither written nor counted as skipped; a larger budget continues with them."""
     tok, _ = tok_template
 
     class Slow(StreamingFake):
@@ -540,9 +545,12 @@ def test_a_time_budget_is_checked_as_each_conversation_would_start(tmp_path, emb
                       max_seconds=0.12)  # one batch of 20 conversations; 3 slots of 0.05 s replies
     out = synthesize(cfg, engine=(eng := Slow(tok)))
     got, man = read_out(out), read_manifest(out)
-    assert 3 <= len(got) < 20 and all(len(r["meta"]["finish_reasons"]) == 2 for r in got.values())  # begun: finished
+    turns = {i: len(r["meta"]["finish_reasons"]) for i, r in got.items()}
+    assert 3 <= len(got) < 20 and set(turns.values()) <= {1, 2}
+    assert all((got[i]["meta"]["stopped"] == "budget") == (n == 1) for i, n in turns.items())
+    assert 1 in turns.values()  # the budget fell while first turns were in the engine: their second never began
     assert man["complete"] and man["budget"]["spent"] and man["counts"]["pending"] == 20 - len(got)
     assert man["counts"]["skipped"] == 0 and not (out / "skipped.jsonl").exists()
-    assert len(eng.calls) == 2 * len(got)  # nothing started that was not finished
+    assert len(eng.calls) == sum(turns.values())  # nothing started that was not finished
     synthesize(SynthConfig(**{**cfg.__dict__, "max_seconds": 60}), engine=Slow(tok))
     assert sorted(read_out(out)) == sorted(r["id"] for r in rows) and read_manifest(out)["counts"]["pending"] == 0

@@ -165,9 +165,9 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
               spent=lambda: False) -> None:
     """Generate every point of `convs`. Under `synth.schedule: continuous` an engine with `stream` (vLLM
     in-process, endpoints) takes each conversation's next turn as soon as its previous reply is back, and
-    a new conversation as a slot frees, unless `spent()` (a time budget): then the conversations in the
-    engine finish their turns and the rest stay unstarted. Otherwise (or the hf engine) turn index by
-    turn index, one engine call per turn (the caller checks its budget between batches)."""
+    a new conversation as a slot frees. Otherwise (or the hf engine) turn index by turn index, one engine
+    call per turn. Once `spent()` (a time budget) no reply starts: the ones in the engine finish, their
+    conversations end there (stopped "budget", written with the turns they have) and the rest stay unstarted."""
     sampling = Sampling(cfg.temperature, cfg.top_p)
 
     def request(c: Conv, t: int) -> Request | None:
@@ -195,7 +195,12 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
             take(c, len(c.meta["finish_reasons"]), o)  # the turns done so far index the one that came back
             on_done(o)
             t = len(c.meta["finish_reasons"])
-            return None if c.stopped or t >= len(c.points) else request(c, t)
+            if c.stopped or t >= len(c.points):
+                return None
+            if spent():
+                c.stopped = "budget"
+                return None
+            return request(c, t)
 
         def first():
             for c in convs:
@@ -210,6 +215,9 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
         reqs, owners = [], []
         for c in convs:
             if c.stopped or t >= len(c.points):
+                continue
+            if t and spent():
+                c.stopped = "budget"
                 continue
             r = request(c, t)
             if r is not None:
@@ -298,7 +306,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                 bar.set_postfix_str(f"{stats['tokens'] / max(time.monotonic() - t_gen, 1e-9):.0f} tok/s")
 
             def spent() -> bool:
-                """synth.max_seconds of generation gone: no new conversation starts (checked as each would)."""
+                """synth.max_seconds of generation gone: no reply starts (checked as each would)."""
                 if cfg.max_seconds and not stats.get("budget") and time.monotonic() - t_gen >= cfg.max_seconds:
                     stats["budget"] = time.monotonic() - t_gen
                 return bool(stats.get("budget"))
@@ -347,8 +355,8 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     )
     if stats.get("budget"):
         print(f"eyas synth: synth.max_seconds ({cfg.max_seconds:g} s) spent after {stats['budget']:.0f} s of generation: "
-              f"no new conversation started, those begun finished; {pending} not started (the same command with "
-              "a larger synth.max_seconds, or 0 for none, continues with them)", file=sys.stderr)
+              f"no reply started after it, the conversations in the engine ended with their turns done; {pending} not "
+              "started (the same command with a larger synth.max_seconds, or 0 for none, continues with them)", file=sys.stderr)
     if tps:
         print(f"eyas synth: {stats['requests']} requests, {stats['tokens']} tokens in {stats['gen_s']:.1f} s: "
               f"{tps:.1f} tokens/s (engine start {stats['start_s']:.1f} s)", file=sys.stderr)

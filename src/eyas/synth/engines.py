@@ -50,7 +50,7 @@ class Sampling:
 OnDone = Callable[[Completion], None]
 Then = Callable[[object, Completion], "Request | None"]  # (tag, its completion) -> the tag's next request, or None
 # `stream`'s first requests: pulled one at a time, as a slot frees, so the caller may stop handing out new
-# conversations (a time budget) while the ones already in the engine finish their turns
+# conversations (a time budget) while the replies already in the engine finish
 Firsts = Iterable[tuple[object, Request]]
 
 
