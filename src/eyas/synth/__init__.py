@@ -171,6 +171,9 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
     sampling = Sampling(cfg.temperature, cfg.top_p)
 
     def request(c: Conv, t: int) -> Request | None:
+        if t and spent():  # a later turn after the budget: the conversation ends with the turns it has
+            c.stopped = "budget"
+            return None
         ids = render_prompt_ids(tok, c.msgs + c.points[t], template)
         room = max_len - len(ids)
         if room < min(cfg.max_tokens, MIN_ROOM):
@@ -195,12 +198,7 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
             take(c, len(c.meta["finish_reasons"]), o)  # the turns done so far index the one that came back
             on_done(o)
             t = len(c.meta["finish_reasons"])
-            if c.stopped or t >= len(c.points):
-                return None
-            if spent():
-                c.stopped = "budget"
-                return None
-            return request(c, t)
+            return None if c.stopped or t >= len(c.points) else request(c, t)
 
         def first():
             for c in convs:
@@ -215,9 +213,6 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
         reqs, owners = [], []
         for c in convs:
             if c.stopped or t >= len(c.points):
-                continue
-            if t and spent():
-                c.stopped = "budget"
                 continue
             r = request(c, t)
             if r is not None:
