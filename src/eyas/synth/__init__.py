@@ -13,10 +13,13 @@ and a `meta` (finish reasons, token counts), plus `OUT/manifest.json`.
   are the context of later turns (batched across conversations per turn); `turns=last`
   keeps the original history and writes the final assistant turn only. Input assistant
   turns are dropped / replaced.
-- Resumable: results are appended and fsynced per batch; a re-run skips done ids (a torn
+- Resumable: results are appended and fsynced as they finish (in input order); a re-run skips done ids (a torn
   last line is cut off) and a finished run with the same config does nothing. Bad rows
   are skipped with a counted reason, refused requests counted as failed (and retried by
   the next run); an unreachable endpoint raises EngineError after retries.
+- `synth.max_seconds`: a budget of generation. Once spent no reply starts, and the replies in an
+  in-process vLLM engine stop where they are (kept, finish reason "budget", as a reply cut at
+  max_tokens is kept with "length"); the stage ends within one engine step of it.
 - Any HF model dir is a target, a quantized one (`eyas quantize --emulate`) included.
 """
 
@@ -161,30 +164,31 @@ def check_endpoint_template(engine: EndpointEngine, tok, template: str, messages
             )
 
 
-def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, max_len: int, on_done,
-              spent=lambda: False) -> None:
-    """Generate every point of `convs`. Under `synth.schedule: continuous` an engine with `stream` (vLLM
-    in-process, endpoints) takes each conversation's next turn as soon as its previous reply is back, and
-    a new conversation as a slot frees. Otherwise (or the hf engine) turn index by turn index, one engine
-    call per turn. Once `spent()` (a time budget) no reply starts: the ones in the engine finish, their
-    conversations end there (stopped "budget", written with the turns they have) and the rest stay unstarted."""
-    sampling = Sampling(cfg.temperature, cfg.top_p)
+class Turns:
+    """Each conversation's requests and replies: the prompt of turn `t` rendered with the serving template
+    (checked against the context left), the reply taken into the conversation. Once `spent()` (a time
+    budget) no later turn starts: the conversation ends with the turns it has (stopped "budget")."""
 
-    def request(c: Conv, t: int) -> Request | None:
-        if t and spent():  # a later turn after the budget: the conversation ends with the turns it has
+    def __init__(self, cfg: SynthConfig, tok, template: str, max_len: int, spent=lambda: False):
+        self.cfg, self.tok, self.template, self.max_len, self.spent = cfg, tok, template, max_len, spent
+
+    def request(self, c: Conv, t: int) -> Request | None:
+        if t and self.spent():  # a later turn after the budget: the conversation ends with the turns it has
             c.stopped = "budget"
             return None
-        ids = render_prompt_ids(tok, c.msgs + c.points[t], template)
-        room = max_len - len(ids)
-        if room < min(cfg.max_tokens, MIN_ROOM):
+        ids = render_prompt_ids(self.tok, c.msgs + c.points[t], self.template)
+        room = self.max_len - len(ids)
+        if room < min(self.cfg.max_tokens, MIN_ROOM):
             c.stopped = "prompt_too_long"
             return None
-        seed = zlib.crc32(f"{cfg.seed}/{c.id}/{t}".encode()) & 0x7FFFFFFF
-        return Request(ids, min(cfg.max_tokens, room), seed)
+        seed = zlib.crc32(f"{self.cfg.seed}/{c.id}/{t}".encode()) & 0x7FFFFFFF
+        return Request(ids, min(self.cfg.max_tokens, room), seed)
 
-    def take(c: Conv, t: int, o: Completion) -> None:
+    def take(self, c: Conv, t: int, o: Completion) -> None:
         if o.error:
             c.stopped, c.error = "error", o.error
+        elif not o.text.strip() and o.finish_reason == "budget":
+            c.stopped = "budget"  # cut before its first token: with no turns it stays pending
         elif not o.text.strip():
             c.stopped = "empty_reply"
         else:
@@ -192,29 +196,51 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
             for k, v in (("finish_reasons", o.finish_reason), ("prompt_tokens", o.prompt_tokens),
                          ("completion_tokens", o.completion_tokens)):
                 c.meta[k].append(v)
+            if o.finish_reason == "budget":  # cut where it was: the conversation ends with it
+                c.stopped = "budget"
 
-    if cfg.schedule == "continuous" and hasattr(engine, "stream"):
-        def then(c: Conv, o: Completion) -> Request | None:
-            take(c, len(c.meta["finish_reasons"]), o)  # the turns done so far index the one that came back
-            on_done(o)
-            t = len(c.meta["finish_reasons"])
-            return None if c.stopped or t >= len(c.points) else request(c, t)
 
-        def first():
-            for c in convs:
-                if spent():
-                    return
-                if c.points and not c.stopped and (r := request(c, 0)) is not None:
-                    yield c, r
+def run_stream(engine, convs: list[Conv], turns: Turns, on_done, on_conv) -> None:
+    """`synth.schedule: continuous` on an engine with `stream` (vLLM in process, endpoints): each
+    conversation's next turn enters the engine as soon as its previous reply is back and a new conversation
+    as a slot frees, so the batch stays full from the first conversation to the last; each conversation
+    goes to `on_conv` as soon as it is done. Once `turns.spent()` no conversation or reply starts, and the
+    replies in flight end where they are (vLLM in process: their tokens so far, finish reason "budget";
+    an endpoint's finish); the conversations not started are not handed to `on_conv`."""
+    sampling = Sampling(turns.cfg.temperature, turns.cfg.top_p)
 
-        engine.stream(first(), sampling, then)
-        return
+    def then(c: Conv, o: Completion) -> Request | None:
+        turns.take(c, len(c.meta["finish_reasons"]), o)  # the turns done so far index the one that came back
+        on_done(o)
+        t = len(c.meta["finish_reasons"])
+        r = None if c.stopped or t >= len(c.points) else turns.request(c, t)
+        if r is None:
+            on_conv(c)
+        return r
+
+    def first():
+        for c in convs:
+            if turns.spent():
+                return
+            r = turns.request(c, 0) if c.points and not c.stopped else None
+            if r is None:
+                on_conv(c)  # nothing to generate (its prompt leaves no room)
+            else:
+                yield c, r
+
+    engine.stream(first(), sampling, then, cut=turns.spent)
+
+
+def run_batch(engine, convs: list[Conv], turns: Turns, on_done) -> None:
+    """Turn index by turn index, one engine call per turn (`synth.schedule: turns`, the hf engine): every
+    point of `convs`, unless the budget is spent before a later turn."""
+    sampling = Sampling(turns.cfg.temperature, turns.cfg.top_p)
     for t in range(max(len(c.points) for c in convs)):
         reqs, owners = [], []
         for c in convs:
             if c.stopped or t >= len(c.points):
                 continue
-            r = request(c, t)
+            r = turns.request(c, t)
             if r is not None:
                 reqs.append(r)
                 owners.append(c)
@@ -222,7 +248,30 @@ def run_batch(engine, convs: list[Conv], cfg: SynthConfig, tok, template: str, m
             break
         outs: list[Completion] = engine.generate(reqs, sampling, on_done)
         for c, o in zip(owners, outs):
-            take(c, t, o)
+            turns.take(c, t, o)
+
+
+class InOrder:
+    """Finished conversations written in input order, each as soon as those before it are (continuous
+    turns finish them out of order; the file's order stays the same from run to run)."""
+
+    def __init__(self, convs: list[Conv], write):
+        self.pos = {id(c): i for i, c in enumerate(convs)}
+        self.write, self.held, self.next = write, {}, 0
+
+    def __call__(self, c: Conv) -> None:
+        self.held[self.pos[id(c)]] = c
+        ready = []
+        while self.next in self.held:
+            ready.append(self.held.pop(self.next))
+            self.next += 1
+        if ready:
+            self.write(ready)
+
+    def rest(self) -> None:
+        """What finished behind a conversation that did not (an engine error): written all the same."""
+        if self.held:
+            self.write([self.held.pop(i) for i in sorted(self.held)])
 
 
 def _key(cfg: SynthConfig, target: Path, template: str) -> dict[str, Any]:
@@ -290,7 +339,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
             if isinstance(engine, EndpointEngine):
                 check_endpoint_template(engine, tok, template, todo[0].points[0])
             max_len = min(cfg.max_model_len, engine.max_model_len)
-            # conversations per written batch: enough to keep `concurrency` sequences in flight per engine
+            # turn by turn, conversations per written batch: enough to keep `concurrency` sequences in flight
             batch = 4 * cfg.concurrency * (len(engine.urls) if isinstance(engine, EndpointEngine) else 1)
             bar = stack.enter_context(tqdm(total=sum(len(c.points) for c in todo), unit="req", desc="synth"))
 
@@ -306,19 +355,30 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                     stats["budget"] = time.monotonic() - t_gen
                 return bool(stats.get("budget"))
 
+            def record(chunk: list[Conv]) -> None:
+                ok = [c for c in chunk if c.msgs and not c.error]
+                append_jsonl(out / OUT_FILE, [{**c.record, "messages": c.msgs, "meta": {
+                    **c.meta, "turns": cfg.turns, "stopped": c.stopped}} for c in ok])
+                append_jsonl(out / SKIP_FILE, [{"id": c.record["id"], "reason": c.stopped}
+                                               for c in chunk if c.stopped and c.stopped != "budget" and not c.msgs and not c.error])
+                failed.update(c.error.split(":")[0][:80] for c in chunk if c.error)
+
+            turns = Turns(cfg, tok, template, max_len, spent)
             t_gen = time.monotonic()
             try:
-                for i in range(0, len(todo), max(1, batch)):
-                    if spent():
-                        break
-                    chunk = todo[i : i + batch]
-                    run_batch(engine, chunk, cfg, tok, template, max_len, on_done, spent)
-                    ok = [c for c in chunk if c.msgs and not c.error]
-                    append_jsonl(out / OUT_FILE, [{**c.record, "messages": c.msgs, "meta": {
-                        **c.meta, "turns": cfg.turns, "stopped": c.stopped}} for c in ok])
-                    append_jsonl(out / SKIP_FILE, [{"id": c.record["id"], "reason": c.stopped}
-                                                   for c in chunk if c.stopped and not c.msgs and not c.error])
-                    failed.update(c.error.split(":")[0][:80] for c in chunk if c.error)
+                if cfg.schedule == "continuous" and hasattr(engine, "stream"):
+                    in_order = InOrder(todo, record)
+                    try:
+                        run_stream(engine, todo, turns, on_done, in_order)
+                    finally:
+                        in_order.rest()
+                else:
+                    for i in range(0, len(todo), max(1, batch)):
+                        if spent():
+                            break
+                        chunk = todo[i : i + batch]
+                        run_batch(engine, chunk, turns, on_done)
+                        record(chunk)
             except EngineError as e:
                 engine_err = e
             stats["gen_s"] = time.monotonic() - t_gen
@@ -350,7 +410,8 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     )
     if stats.get("budget"):
         print(f"eyas synth: synth.max_seconds ({cfg.max_seconds:g} s) spent after {stats['budget']:.0f} s of generation: "
-              f"no reply started after it, the conversations in the engine ended with their turns done; {pending} not "
+              f"no reply started after it and the ones in vLLM stopped where they were (finish reason 'budget'; an "
+              f"endpoint's finished), their conversations ending with the turns they have; {pending} not "
               "started (the same command with a larger synth.max_seconds, or 0 for none, continues with them)", file=sys.stderr)
     if tps:
         print(f"eyas synth: {stats['requests']} requests, {stats['tokens']} tokens in {stats['gen_s']:.1f} s: "
