@@ -44,7 +44,7 @@ class FakeEngine:
     max_model_len = 2048
 
     def __init__(self, tok, fail: bool = True):
-        self.tok, self.fail, self.calls, self.cut = tok, fail, [], []
+        self.tok, self.fail, self.calls = tok, fail, []
 
     def generate(self, reqs, sampling, on_done=None):
         self.calls.append(reqs)
@@ -68,9 +68,8 @@ class StreamingFake(FakeEngine):
     batching; a new conversation is pulled from `first` only when a slot frees, as the real engines do."""
 
     slots = 3
-    cuts = False  # True: as vLLM in process, a `cut` hands the requests in flight back as they stand
 
-    def stream(self, first, sampling, then, cut=None):
+    def stream(self, first, sampling, then):
         from collections import deque
 
         firsts, todo = iter(first), deque()
@@ -83,12 +82,6 @@ class StreamingFake(FakeEngine):
             nxt = then(tag, self.generate([r], sampling)[0])
             if nxt is not None:
                 todo.append((tag, nxt))
-            if self.cuts and cut is not None and todo and cut():
-                for tag, r in todo:  # "NOTYET" prompts were cut before their first token
-                    text = "" if "NOTYET" in self.tok.decode(r.prompt_ids) else "cut short"
-                    self.cut.append(tag.id)
-                    then(tag, E.Completion(text, 2 if text else 0, len(r.prompt_ids), "budget"))
-                return
 
 
 # ---------------------------------------------------------------- fast: no vLLM
@@ -587,86 +580,3 @@ def test_continuous_turns_write_in_input_order_as_conversations_finish(tmp_path,
     assert ids == [r["id"] for r in rows]  # input order, though 4 x concurrency = 8 is no longer a batch
     assert len(sizes) > 30 // 8 + 1  # written as they finished, not in batches of 8
     assert {len(r["meta"]["finish_reasons"]) for r in read_out(out).values()} == {1, 2, 3}
-
-
-def test_a_time_budget_cuts_the_replies_in_an_engine_that_can(tmp_path, embedded_target, tok_template):
-    """An engine that can stop its requests (vLLM in process) cuts the replies in flight once the budget is
-    spent: each is kept with the tokens it has (finish reason "budget"), its conversation ends there; one cut
-    before its first token leaves a conversation with no turns pending (not skipped), and a larger budget
-    continues with it and the unstarted ones."""
-    tok, _ = tok_template
-
-    class Cutting(StreamingFake):
-        cuts = True
-
-        def generate(self, reqs, sampling, on_done=None):
-            time.sleep(0.05)
-            return super().generate(reqs, sampling, on_done)
-
-    rows = [{"id": f"r{i}", "messages": [U(f"q{i}" + (" NOTYET" if i % 2 else ""))]} for i in range(20)]
-    prompts = write_jsonl(tmp_path / "p.jsonl", rows)
-    cfg = SynthConfig(target=str(embedded_target), prompts=str(prompts), out=str(tmp_path / "out"), concurrency=8,
-                      max_seconds=0.12)  # 3 slots of 0.05 s replies: the budget falls with two in flight
-    out = synthesize(cfg, engine=(eng := Cutting(tok, fail=False)))
-    got, man = read_out(out), read_manifest(out)
-    assert len(eng.cut) == 2  # two consecutive conversations: one cut with tokens, one before its first
-    for c in eng.cut:
-        if int(c[1:]) % 2:
-            assert c not in got
-        else:
-            m = got[c]["meta"]
-            assert m["finish_reasons"] == ["budget"] and m["stopped"] == "budget"
-            assert got[c]["messages"][-1]["content"] == "cut short"
-    assert man["counts"]["skipped"] == 0 and man["counts"]["pending"] == 20 - len(got)
-    assert man["complete"] and man["finish_reasons"]["budget"] == 1
-    synthesize(SynthConfig(**{**cfg.__dict__, "max_seconds": 60}), engine=Cutting(tok, fail=False))
-    assert sorted(read_out(out)) == sorted(r["id"] for r in rows) and read_manifest(out)["counts"]["pending"] == 0
-
-
-CUT = r'''
-import json, sys
-
-def main():
-    from eyas.chat import load_chat_template, load_tokenizer, render_prompt_ids
-    from eyas.synth.engines import InProcessEngine, Request, Sampling
-    a = json.load(open(sys.argv[1]))
-    tok = load_tokenizer(a["model"])
-    tpl = load_chat_template(a["model"], tok=tok)
-    eng = InProcessEngine(a["model"], max_model_len=2048, kv_cache_gib=1, max_num_seqs=8)
-    reqs = [Request(render_prompt_ids(tok, [m], tpl), a["max_tokens"], 0) for m in a["firsts"]]
-    res = {}
-    for name, k in (("whole", None), ("cut", 4)):
-        got, steps = {}, []
-        def then(i, c):
-            got[i] = [c.text, c.completion_tokens, c.prompt_tokens, c.finish_reason]
-        def cut():
-            steps.append(1)
-            return k is not None and len(steps) >= k
-        eng.stream(list(enumerate(reqs)), Sampling(), then, cut=cut)
-        res[name] = [got[i] for i in range(len(reqs))]
-    res["prompts"] = [len(r.prompt_ids) for r in reqs]
-    json.dump(res, open(sys.argv[2], "w"))
-
-if __name__ == "__main__":
-    main()
-'''
-
-
-@pytest.mark.slow
-def test_inprocess_cut_keeps_each_reply_as_far_as_it_got(embedded_target, tmp_path):
-    """vLLM in process, cut after its 4th engine step: every reply still running comes back with the tokens
-    it had (at most 4: one per step), a prefix of the same batch's uncut greedy reply, finish reason "budget"."""
-    (tmp_path / "cut.py").write_text(CUT)
-    firsts = [m for r in ROWS for m in r["messages"][:2] if m["role"] == "user"][:6]
-    (tmp_path / "args.json").write_text(json.dumps({"model": str(embedded_target), "max_tokens": MAX_TOKENS,
-                                                     "firsts": firsts}))
-    subprocess.run([sys.executable, str(tmp_path / "cut.py"), str(tmp_path / "args.json"), str(tmp_path / "o.json")],
-                   check=True, timeout=600, stdout=subprocess.DEVNULL, env=vllm_env())
-    res = json.loads((tmp_path / "o.json").read_text())
-    assert sum(why == "budget" for *_, why in res["cut"]) >= 3, res["cut"]
-    for (text, n, p, why), (full, fn, fp, fwhy), plen in zip(res["cut"], res["whole"], res["prompts"]):
-        assert p == fp == plen
-        if why != "budget":  # done before the cut
-            assert (text, n, why) == (full, fn, fwhy)
-            continue
-        assert 1 <= n <= 4 and n < fn and text and full.startswith(text) and len(text) < len(full), (text, full)

@@ -41,7 +41,7 @@ STAGES: dict[str, tuple[str, tuple[str, ...] | None, str, str]] = {
     "export": ("export", ("export", "eval"), "eyas.export:cli",
                "stage 5: export a vLLM-ready draft (bf16 / fp8, vllm / speculators)"),
     "quantize": ("quantize", ("quantize",), "eyas.quant:cli", "MXFP4 (OCP MX) quantization of the target in Quark's format"),
-    "bench": ("bench", None, "eyas.bench:cli", "benchmarks (`bench al|throughput|extract|train|quant|drift|threads|simulated|levers|curve`)"),
+    "bench": ("bench", None, "eyas.bench:cli", "benchmarks (`bench al|throughput|extract|train|quant|drift|threads|simulated|levers|curve|rules|synth`)"),
     "run": ("run", None, "eyas.pipeline:cli", "all stages end to end (the demo pipeline)"),
 }
 

@@ -63,7 +63,7 @@ class SynthConfig:
     engine: Literal["vllm", "hf"] = "vllm"  # hf: transformers' batched greedy generation, where vLLM is missing
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # the target's dtype (auto: eyas.host.engine_dtype)
     device: str = "cpu"  # hf engine: where the target runs (cpu, cuda:0, ...)
-    max_seconds: float = 0  # of generation: then no reply starts and vLLM's in-process replies stop where they are (0: no limit)
+    max_seconds: float = 0  # of generation: then no reply starts, those in the engine finish (0: no limit)
     # continuous: a conversation's next turn enters the engine as soon as its reply is back (vLLM in-process,
     # endpoints); turns: every conversation's turn t before any turn t+1 (the hf engine always does this)
     schedule: Literal["continuous", "turns"] = "continuous"

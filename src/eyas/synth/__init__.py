@@ -17,9 +17,8 @@ and a `meta` (finish reasons, token counts), plus `OUT/manifest.json`.
   last line is cut off) and a finished run with the same config does nothing. Bad rows
   are skipped with a counted reason, refused requests counted as failed (and retried by
   the next run); an unreachable endpoint raises EngineError after retries.
-- `synth.max_seconds`: a budget of generation. Once spent no reply starts, and the replies in an
-  in-process vLLM engine stop where they are (kept, finish reason "budget", as a reply cut at
-  max_tokens is kept with "length"); the stage ends within one engine step of it.
+- `synth.max_seconds`: a budget of generation. Once spent no reply starts; the replies in the engine
+  finish (one reply's time more) and their conversations end with the turns they have.
 - Any HF model dir is a target, a quantized one (`eyas quantize --emulate`) included.
 """
 
@@ -187,8 +186,6 @@ class Turns:
     def take(self, c: Conv, t: int, o: Completion) -> None:
         if o.error:
             c.stopped, c.error = "error", o.error
-        elif not o.text.strip() and o.finish_reason == "budget":
-            c.stopped = "budget"  # cut before its first token: with no turns it stays pending
         elif not o.text.strip():
             c.stopped = "empty_reply"
         else:
@@ -196,17 +193,14 @@ class Turns:
             for k, v in (("finish_reasons", o.finish_reason), ("prompt_tokens", o.prompt_tokens),
                          ("completion_tokens", o.completion_tokens)):
                 c.meta[k].append(v)
-            if o.finish_reason == "budget":  # cut where it was: the conversation ends with it
-                c.stopped = "budget"
 
 
 def run_stream(engine, convs: list[Conv], turns: Turns, on_done, on_conv) -> None:
     """`synth.schedule: continuous` on an engine with `stream` (vLLM in process, endpoints): each
     conversation's next turn enters the engine as soon as its previous reply is back and a new conversation
     as a slot frees, so the batch stays full from the first conversation to the last; each conversation
-    goes to `on_conv` as soon as it is done. Once `turns.spent()` no conversation or reply starts, and the
-    replies in flight end where they are (vLLM in process: their tokens so far, finish reason "budget";
-    an endpoint's finish); the conversations not started are not handed to `on_conv`."""
+    goes to `on_conv` as soon as it is done. Once `turns.spent()` no conversation or reply starts (the
+    replies in flight finish); the conversations not started are not handed to `on_conv`."""
     sampling = Sampling(turns.cfg.temperature, turns.cfg.top_p)
 
     def then(c: Conv, o: Completion) -> Request | None:
@@ -228,7 +222,7 @@ def run_stream(engine, convs: list[Conv], turns: Turns, on_done, on_conv) -> Non
             else:
                 yield c, r
 
-    engine.stream(first(), sampling, then, cut=turns.spent)
+    engine.stream(first(), sampling, then)
 
 
 def run_batch(engine, convs: list[Conv], turns: Turns, on_done) -> None:
@@ -360,7 +354,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                 append_jsonl(out / OUT_FILE, [{**c.record, "messages": c.msgs, "meta": {
                     **c.meta, "turns": cfg.turns, "stopped": c.stopped}} for c in ok])
                 append_jsonl(out / SKIP_FILE, [{"id": c.record["id"], "reason": c.stopped}
-                                               for c in chunk if c.stopped and c.stopped != "budget" and not c.msgs and not c.error])
+                                               for c in chunk if c.stopped and not c.msgs and not c.error])
                 failed.update(c.error.split(":")[0][:80] for c in chunk if c.error)
 
             turns = Turns(cfg, tok, template, max_len, spent)
@@ -410,8 +404,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     )
     if stats.get("budget"):
         print(f"eyas synth: synth.max_seconds ({cfg.max_seconds:g} s) spent after {stats['budget']:.0f} s of generation: "
-              f"no reply started after it and the ones in vLLM stopped where they were (finish reason 'budget'; an "
-              f"endpoint's finished), their conversations ending with the turns they have; {pending} not "
+              f"no reply started after it, the conversations in the engine ended with their turns done; {pending} not "
               "started (the same command with a larger synth.max_seconds, or 0 for none, continues with them)", file=sys.stderr)
     if tps:
         print(f"eyas synth: {stats['requests']} requests, {stats['tokens']} tokens in {stats['gen_s']:.1f} s: "

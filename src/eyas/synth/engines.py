@@ -12,7 +12,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from eyas.host import apply_vllm_env, engine_dtype
 from eyas.vllm_fixes import engine_options
@@ -53,8 +52,6 @@ Then = Callable[[object, Completion], "Request | None"]  # (tag, its completion)
 # `stream`'s first requests: pulled one at a time, as a slot frees, so the caller may stop handing out new
 # conversations (a time budget) while the replies already in the engine finish
 Firsts = Iterable[tuple[object, Request]]
-# `stream`'s stop: once it says True the requests in flight end where they are (engines that can stop them)
-Cut = Callable[[], bool] | None
 
 
 class InProcessEngine:
@@ -106,19 +103,16 @@ class InProcessEngine:
                 on_done(res[-1])
         return res
 
-    def stream(self, first: Firsts, sampling: Sampling, then: Then, cut: Cut = None) -> None:
+    def stream(self, first: Firsts, sampling: Sampling, then: Then) -> None:
         """Continuous turns: each tag's next request (`then(tag, completion)`) enters the engine as soon as
         its previous one is done, and a new tag from `first` whenever fewer than `max_num_seqs` requests are
         in flight, so the engine keeps its batch full while conversations move through their turns at their
-        own pace (and `first` is only read as far as the engine has room). Once `cut()` (checked after each
-        engine step) the requests in flight stop where they are: each goes to `then` with the tokens it has
-        (finish reason "budget") and the stream ends."""
+        own pace (and `first` is only read as far as the engine has room)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError
 
         eng, live, n, firsts = self.llm.llm_engine, {}, 0, iter(first)
-        latest: dict[str, Any] = {}  # request id -> its newest (cumulative) output, for a cut
 
         def add(tag: object, r: Request | None) -> None:
             nonlocal n
@@ -131,33 +125,23 @@ class InProcessEngine:
                 except ValueError as e:  # a request vLLM refuses; the engine itself is fine
                     r = then(tag, Completion(error=f"vLLM refused the request: {e}"))
                     continue
-                live[f"eyas-{n}"] = (tag, len(r.prompt_ids))
+                live[f"eyas-{n}"] = tag
                 return
 
         def fill() -> None:
             while len(live) < self.max_num_seqs and (item := next(firsts, None)) is not None:
                 add(*item)
 
-        def done(tag: object, o: Any, reason: str) -> None:
-            c = o.outputs[0]
-            add(tag, then(tag, Completion(c.text, len(c.token_ids), len(o.prompt_token_ids), reason)))
-
         fill()
         try:
             while live:
                 for o in eng.step():
                     if not o.finished:
-                        latest[o.request_id] = o
                         continue
-                    latest.pop(o.request_id, None)
-                    done(live.pop(o.request_id)[0], o, str(o.outputs[0].finish_reason))
-                if cut is not None and live and cut():
-                    eng.abort_request(list(live))
-                    for rid, (tag, p) in list(live.items()):
-                        o = latest.get(rid)
-                        then(tag, Completion(o.outputs[0].text, len(o.outputs[0].token_ids), p, "budget")
-                             if o is not None else Completion(prompt_tokens=p, finish_reason="budget"))
-                    return
+                    c = o.outputs[0]
+                    tag = live.pop(o.request_id)
+                    add(tag, then(tag, Completion(c.text, len(c.token_ids), len(o.prompt_token_ids),
+                                                  str(c.finish_reason))))
                 fill()
         except EngineDeadError as e:
             raise self._refused(e) from None
@@ -246,11 +230,10 @@ class EndpointEngine:
         assert all(r is not None for r in res)
         return res  # type: ignore[return-value]
 
-    def stream(self, first: Firsts, sampling: Sampling, then: Then, cut: Cut = None) -> None:
+    def stream(self, first: Firsts, sampling: Sampling, then: Then) -> None:
         """Continuous turns: `concurrency` conversations in flight per endpoint, each taking its turns
         one after another (`then(tag, completion)` gives its next request), the next conversation
-        taken from `first` as soon as one is done. `cut` is not used: a reply in flight over HTTP finishes
-        (a completion request gives back nothing until it is done)."""
+        taken from `first` as soon as one is done."""
         firsts = iter(first)
         fatal: list[EngineError] = []
         lock = threading.Lock()
