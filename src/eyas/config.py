@@ -67,6 +67,10 @@ class SynthConfig:
     # continuous: a conversation's next turn enters the engine as soon as its reply is back (vLLM in-process,
     # endpoints); turns: every conversation's turn t before any turn t+1 (the hf engine always does this)
     schedule: Literal["continuous", "turns"] = "continuous"
+    # keep the target's hidden states of every token it runs while it writes (vLLM in this process), in
+    # OUT/captured: the extract stage takes them instead of running those conversations again (#33)
+    capture: bool = False
+    capture_layer_ids: list[int] = field(default_factory=list)  # empty: extract's default; eyas run: extract.layer_ids
 
 
 @dataclass

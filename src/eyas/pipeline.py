@@ -181,6 +181,9 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
 
         s = cfg.synth
         s.target, s.prompts, s.out = str(serve_target), str(train_prompts), str(out / "synth")
+        # states captured while the target writes serve the offline features only (online/streaming run it again)
+        s.capture = s.capture and cfg.train.source == "offline"
+        s.capture_layer_ids = s.capture_layer_ids or list(cfg.extract.layer_ids)
         conversations = Path(again_if_changed(out, lambda: synthesize(s))) / "conversations.jsonl"
 
     with _stage(timings, "extract"):

@@ -119,6 +119,9 @@ def plan(cfg: Recipe) -> list[tuple[str, str]]:
         size = (f"{how}; x {per_token} states x hidden {shape['hidden_size']} x {BYTES[e.dtype]} bytes = "
                 f"{'~' if synth_done else '<= '}{_gb(n * per_token * shape['hidden_size'] * BYTES[e.dtype])}"
                 if shape and n else how + " (x the target's hidden size, not on disk yet)")
+        if s.capture:
+            size += ("; the states synthesis captured (synth.capture; a bf16 copy in synth/captured) are taken as "
+                     "they are: the target runs only the conversations not captured")
         rows.append(("extract", f"{_state(out / 'features', differs)}; {e.backend} backend, {e.dtype}; {size}"
                      + (f"; there now: {_n(fman.get('num_samples', 0))} samples" if fman else "")))
 

@@ -106,8 +106,11 @@ def _extract(cfg: ExtractConfig) -> Path:
     _log(f"{len(convs)} conversations, {len(done)} already extracted, {len(todo)} to do "
          f"(backend {cfg.backend}, layers {layer_ids}, storage {cfg.dtype})")
     skipped: list[str] = []
-    t0, ntok = time.time(), 0
-    extractor = extractor_from_config(cfg, target) if todo else None
+    t0, ntok, adopted = time.time(), 0, 0
+    from eyas.synth.capture import CAPTURED
+
+    captured = Captured.open(Path(cfg.data).parent / CAPTURED, header) if todo else None
+    extractor = None  # started when a conversation needs the target (none may, with everything captured)
     try:
         for start in range(0, len(todo), cfg.samples_per_shard):
             chunk = []
@@ -116,16 +119,22 @@ def _extract(cfg: ExtractConfig) -> Path:
                 if not bool(r["loss_mask"].any()):
                     skipped.append(c["id"])  # no assistant token within max_len: nothing to learn
                     continue
+                s = captured.sample(r) if captured else None
+                if s is not None:
+                    writer.add(s, truncated=r["truncated"])
+                    adopted += 1
+                    continue
                 chunk.append(r)
-            if not chunk:
-                continue
-            assert extractor is not None
-            for r, s in zip(chunk, extractor.extract(chunk), strict=True):
-                writer.add(s, truncated=r["truncated"])
-                ntok += s["input_ids"].shape[0]
+            if chunk:
+                if extractor is None:
+                    extractor = extractor_from_config(cfg, target)
+                for r, s in zip(chunk, extractor.extract(chunk), strict=True):
+                    writer.add(s, truncated=r["truncated"])
+                    ntok += s["input_ids"].shape[0]
             writer.flush()
             rate = ntok / max(time.time() - t0, 1e-9)
-            _log(f"{sum(s['num_samples'] for s in writer.shards)}/{len(convs)} conversations, {rate:.0f} tok/s")
+            _log(f"{sum(s['num_samples'] for s in writer.shards)}/{len(convs)} conversations ({adopted} taken from "
+                 f"the synthesis' captured states), {rate:.0f} tok/s run through the target")
     finally:
         if extractor is not None:
             extractor.close()
@@ -134,10 +143,58 @@ def _extract(cfg: ExtractConfig) -> Path:
         writer.write_manifest(complete=False, skipped_no_assistant=len(skipped), skipped_ids=skipped)
         raise ValueError(f"{cfg.data}: none of its {len(convs)} conversations has an assistant token within "
                          f"extract.max_len={cfg.max_len}: nothing to train on (raise max_len, or check the file)")
-    man = writer.finish(skipped_no_assistant=len(skipped), skipped_ids=skipped)
+    man = writer.finish(skipped_no_assistant=len(skipped), skipped_ids=skipped, captured_last_run=adopted)
     _log(f"done: {man['num_samples']} samples, {man['num_tokens']} tokens, {man['truncated']} truncated, "
          f"{len(skipped)} without assistant tokens skipped, {man['bytes'] / 1e6:.1f} MB in {man['num_shards']} shards")
     return Path(cfg.out)
+
+
+# ---------------------------------------------------------------- states captured in synthesis
+
+class Captured:
+    """The synthesis' `captured` feature dir (`synth.capture`), from which conversations are taken as they
+    are instead of running the target over them again."""
+
+    MUST_MATCH = ("layer_ids", "hidden_size", "num_target_layers", "tokenizer_hash", "template_hash",
+                  "target_fingerprint", "max_len")
+
+    def __init__(self, ds, where: Path):
+        self.ds, self.where = ds, where
+        self.index = {i: n for n, i in enumerate(ds.ids)}
+
+    @classmethod
+    def open(cls, path: Path, header: dict) -> Captured | None:
+        from eyas.features import open_features
+
+        if not (path / "manifest.json").exists():
+            return None
+        try:
+            ds = open_features(path, allow_partial=True)
+        except ValueError as e:
+            _log(f"{path} not used ({e}); the target runs every conversation")
+            return None
+        differ = [k for k in cls.MUST_MATCH if ds.manifest.get(k) != header.get(k)]
+        if differ:
+            _log(f"{path} was captured with another {', '.join(differ)}: not used; the target runs every conversation")
+            return None
+        return cls(ds, path)
+
+    def sample(self, r: dict) -> dict | None:
+        """The captured sample for rendered conversation `r`, cut to the tokens the engine ran (all but the
+        last <= SLACK), or None (not captured, or other tokens: the target runs it)."""
+        import torch
+
+        from eyas.synth.capture import SLACK
+
+        n = self.index.get(r["id"])
+        if n is None:
+            return None
+        s = self.ds[n]
+        T, ids = s["input_ids"].shape[0], r["input_ids"]
+        if T < ids.shape[0] - SLACK or T > ids.shape[0] or not torch.equal(s["input_ids"], ids[:T]):
+            return None
+        return {"id": r["id"], "input_ids": ids[:T], "loss_mask": r["loss_mask"][:T],
+                "aux_hidden_states": s["aux_hidden_states"], "last_hidden_states": s["last_hidden_states"]}
 
 
 # ---------------------------------------------------------------- CLI

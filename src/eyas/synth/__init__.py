@@ -40,6 +40,7 @@ from eyas.lock import writing
 from eyas.manifest import sha256_file, tokenizer_hash, write_manifest
 from eyas.models import resolve_target
 from eyas.stage import claim, output_dir, say_complete
+from eyas.synth.capture import CaptureWriter, fill_prefix
 from eyas.synth.engines import Completion, EndpointEngine, EngineError, Request, Sampling
 
 OUT_FILE, SKIP_FILE = "conversations.jsonl", "skipped.jsonl"
@@ -56,6 +57,7 @@ class Conv:
                                                            "completion_tokens": []})
     stopped: str | None = None  # why generation ended before the last point
     error: str | None = None
+    captured: tuple | None = None  # synth.capture: (token ids, states) of the last turn taken, prefix filled
 
     @property
     def id(self) -> str:
@@ -112,8 +114,13 @@ def conversations_to_run(path: str, limit: int, turns: str) -> tuple[list[Conv],
     return convs, skipped
 
 
+def captures(cfg: SynthConfig) -> bool:
+    """synth.capture applies to vLLM in this process (the hooks live in its worker)."""
+    return cfg.capture and cfg.engine == "vllm" and not cfg.endpoint and not cfg.serve
+
+
 @contextlib.contextmanager
-def open_engine(cfg: SynthConfig, target: Path):
+def open_engine(cfg: SynthConfig, target: Path, capture_ids: list[int] | None = None):
     """Endpoints (`--endpoint`), a local server (`--serve`), vLLM in this process, or transformers
     in this process (`--engine hf`, batches of `concurrency`)."""
     if cfg.endpoint and cfg.serve:
@@ -145,7 +152,8 @@ def open_engine(cfg: SynthConfig, target: Path):
 
         eng = InProcessEngine(str(target), max_model_len=cfg.max_model_len, kv_cache_gib=cfg.kv_cache_gib,
                               seed=cfg.seed, enforce_eager=cfg.enforce_eager, max_num_seqs=cfg.concurrency,
-                              dtype={"bf16": "bfloat16", "fp32": "float32"}.get(cfg.dtype, ""))
+                              dtype={"bf16": "bfloat16", "fp32": "float32"}.get(cfg.dtype, ""),
+                              capture_ids=capture_ids)
         try:
             yield eng
         finally:
@@ -170,6 +178,7 @@ class Turns:
 
     def __init__(self, cfg: SynthConfig, tok, template: str, max_len: int, spent=lambda: False):
         self.cfg, self.tok, self.template, self.max_len, self.spent = cfg, tok, template, max_len, spent
+        self.filled = 0  # synth.capture: turns whose prefix-cached positions came from the turn before
 
     def request(self, c: Conv, t: int) -> Request | None:
         if t and self.spent():  # a later turn after the budget: the conversation ends with the turns it has
@@ -190,6 +199,11 @@ class Turns:
             c.stopped = "empty_reply"
         else:
             c.msgs = c.msgs + c.points[t] + [{"role": "assistant", "content": o.text}]
+            if o.captured is not None:  # positions vLLM served from its prefix cache come from the turn before
+                ids, states, seen = o.captured
+                filled = fill_prefix(ids, states, seen, c.captured)
+                c.captured = (ids, filled) if filled is not None else None
+                self.filled += filled is not None and not bool(seen.all())
             for k, v in (("finish_reasons", o.finish_reason), ("prompt_tokens", o.prompt_tokens),
                          ("completion_tokens", o.completion_tokens)):
                 c.meta[k].append(v)
@@ -325,9 +339,19 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     engine_err: EngineError | None = None
     if todo:
         t0 = time.monotonic()
+        if cfg.capture and not captures(cfg):
+            print("eyas synth: synth.capture needs vLLM in this process (not --endpoint, --serve or the hf engine): "
+                  "off; the extract stage runs the target over the conversations", file=sys.stderr)
+        capw = None
+        if captures(cfg) and engine is None:
+            from eyas.host import engine_dtype
+
+            dtype = cfg.dtype if cfg.dtype != "auto" else {"float32": "fp32"}.get(engine_dtype(), "bf16")
+            capw = CaptureWriter(out, target, tok, template, cfg.max_model_len, cfg.capture_layer_ids,
+                                 key["prompts_sha256"], dtype)
         with contextlib.ExitStack() as stack:
             if engine is None:
-                engine = stack.enter_context(open_engine(cfg, target))
+                engine = stack.enter_context(open_engine(cfg, target, capw.vllm_ids if capw else None))
             stats["start_s"] = time.monotonic() - t0
             stats["dtype"] = getattr(engine, "dtype", None)  # in-process engines: what the target runs in
             if isinstance(engine, EndpointEngine):
@@ -349,6 +373,12 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                     stats["budget"] = time.monotonic() - t_gen
                 return bool(stats.get("budget"))
 
+            def keep(c: Conv) -> None:
+                """A finished conversation's captured states written at once (not held for input order)."""
+                if capw is not None and not c.error:
+                    capw.add(c.id, c.msgs, c.captured)
+                c.captured = None
+
             def record(chunk: list[Conv]) -> None:
                 ok = [c for c in chunk if c.msgs and not c.error]
                 append_jsonl(out / OUT_FILE, [{**c.record, "messages": c.msgs, "meta": {
@@ -363,7 +393,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                 if cfg.schedule == "continuous" and hasattr(engine, "stream"):
                     in_order = InOrder(todo, record)
                     try:
-                        run_stream(engine, todo, turns, on_done, in_order)
+                        run_stream(engine, todo, turns, on_done, lambda c: (keep(c), in_order(c)))
                     finally:
                         in_order.rest()
                 else:
@@ -372,10 +402,16 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                             break
                         chunk = todo[i : i + batch]
                         run_batch(engine, chunk, turns, on_done)
+                        for c in chunk:
+                            keep(c)
                         record(chunk)
             except EngineError as e:
                 engine_err = e
             stats["gen_s"] = time.monotonic() - t_gen
+            if capw is not None:
+                capw.finish()
+                stats["captured"] = {"kept": capw.kept, "left_to_extract": capw.left, "prefix_filled_turns": turns.filled,
+                                     "left_short_by": sorted(capw.short_by)}
 
     rows = scan_jsonl(out / OUT_FILE, "eyas synth")
     gen_skips = Counter(r["reason"] for r in scan_jsonl(out / SKIP_FILE, "eyas synth"))
@@ -399,7 +435,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
                   "engine": "endpoint" if cfg.endpoint else "serve" if cfg.serve else
                   "hf" if cfg.engine == "hf" else "in-process",
                   "dtype": stats.get("dtype"),
-                  "concurrency": cfg.concurrency},
+                  "concurrency": cfg.concurrency, "captured": stats.get("captured")},
         **common,
     )
     if stats.get("budget"):

@@ -39,6 +39,8 @@ class Completion:
     prompt_tokens: int = 0
     finish_reason: str = ""
     error: str | None = None  # a request the engine refused (the run goes on without it)
+    # synth.capture: (token ids [T] = prompt + reply[:-1], states [T, n_ids, H], seen bool [T]), see eyas.synth.capture
+    captured: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -58,20 +60,43 @@ class InProcessEngine:
     """`vllm.LLM` in this process; build it under `if __name__ == "__main__":` (spawned workers)."""
 
     def __init__(self, model: str, *, max_model_len: int = 2048, kv_cache_gib: float = 2.0, seed: int = 0,
-                 enforce_eager: bool = True, dtype: str = "", max_num_seqs: int = 256):
+                 enforce_eager: bool = True, dtype: str = "", max_num_seqs: int = 256,
+                 capture_ids: list[int] | None = None):
+        """`capture_ids`: vLLM layer ids whose hidden states each completion carries (`Completion.captured`)."""
         from vllm import LLM
+
+        from eyas.synth.capture import EXTENSION
 
         apply_vllm_env()
         dtype = dtype or engine_dtype()
         self.model, self.dtype, self.max_num_seqs = str(model), dtype, max_num_seqs
+        self.capture = bool(capture_ids)
+        extra = {"worker_extension_cls": EXTENSION} if self.capture else {}
         # VLLM_CPU_KVCACHE_SPACE, when set, overrides kv_cache_memory_bytes on CPU (vLLM's rule).
         try:
             self.llm = LLM(model=str(model), max_model_len=max_model_len, dtype=dtype, seed=seed,
                            kv_cache_memory_bytes=int(kv_cache_gib * (1 << 30)), enforce_eager=enforce_eager,
-                           max_num_seqs=max_num_seqs, disable_log_stats=True, **engine_options(model))
+                           max_num_seqs=max_num_seqs, disable_log_stats=True, **engine_options(model), **extra)
+            if self.capture:
+                self.llm.collective_rpc("eyas_capture_start", args=(sorted(capture_ids),))
         except Exception as e:  # noqa: BLE001 - vLLM refuses this model or machine (its log above says why)
             raise self._refused(e) from None
         self.max_model_len = self.llm.llm_engine.model_config.max_model_len
+
+    def _completions(self, outs: list) -> list[Completion]:
+        """vLLM's finished RequestOutputs -> Completions (with their captured states under synth.capture)."""
+        from eyas.synth.capture import take
+
+        if not outs:
+            return []
+        caps = take(self.llm, [o.request_id for o in outs]) if self.capture else [None] * len(outs)
+        res = []
+        for o, cap in zip(outs, caps, strict=True):
+            c = o.outputs[0]
+            ids = list(o.prompt_token_ids) + list(c.token_ids)[:-1]
+            res.append(Completion(c.text, len(c.token_ids), len(o.prompt_token_ids), str(c.finish_reason),
+                                  captured=(ids, *cap) if cap is not None else None))
+        return res
 
     def _refused(self, e: Exception) -> ValueError:
         """vLLM could not start or run the target (an unsupported model or layout, out of memory): one
@@ -95,12 +120,10 @@ class InProcessEngine:
             return [Completion(error=f"vLLM refused the batch: {e}") for _ in reqs]
         except EngineDeadError as e:  # the engine started lazily and died on its first step
             raise self._refused(e) from None
-        res = []
-        for o in outs:
-            c = o.outputs[0]
-            res.append(Completion(c.text, len(c.token_ids), len(o.prompt_token_ids), str(c.finish_reason)))
+        res = self._completions(outs)
+        for c in res:
             if on_done:
-                on_done(res[-1])
+                on_done(c)
         return res
 
     def stream(self, first: Firsts, sampling: Sampling, then: Then) -> None:
@@ -135,13 +158,10 @@ class InProcessEngine:
         fill()
         try:
             while live:
-                for o in eng.step():
-                    if not o.finished:
-                        continue
-                    c = o.outputs[0]
+                done = [o for o in eng.step() if o.finished]
+                for o, c in zip(done, self._completions(done)):
                     tag = live.pop(o.request_id)
-                    add(tag, then(tag, Completion(c.text, len(c.token_ids), len(o.prompt_token_ids),
-                                                  str(c.finish_reason))))
+                    add(tag, then(tag, c))
                 fill()
         except EngineDeadError as e:
             raise self._refused(e) from None

@@ -1,0 +1,234 @@
+"""Hidden states captured while the target writes: synthesis and extraction in one pass.
+
+Extraction re-runs every token of every conversation through the target (a prefill), after
+synthesis already ran them all: on a 2-core CPU that second pass costs about as much per
+generated token as the generation itself. vLLM's own `extract_hidden_states` method keeps
+the states of generated tokens too (`include_output_tokens`), but it runs as a speculative
+method that verifies one dead draft per step: generation at 0.72x (docs/tokens-per-hour.md).
+So eyas hooks the model in vLLM's worker instead:
+
+- `CaptureExtension` is mixed into vLLM's worker (`worker_extension_cls`). `eyas_capture_start`
+  registers forward hooks on the decoder layers whose outputs are the aux ids (vLLM's id k =
+  the residual stream after k layers, `hidden + residual` of layer k-1) plus id L (before the
+  final norm). Each forward's rows are split by request with the step's scheduler output
+  (the input batch's request order and scheduled token counts) and kept with their positions.
+- `eyas_capture_take(ids)` hands back, per finished request, `states` [T, n_ids, H] and a
+  `seen` mask [T] (T = prompt + reply - 1: the last sampled token never ran through the model).
+  Positions vLLM took from its prefix cache did not run either (`seen` False): the caller
+  fills them from the conversation's previous turn (`fill_prefix`), or leaves the conversation
+  to the extract stage.
+
+The hooks cost 1-2.5% of the generation rate on the AVX2 EPYC; the states agree with HF's
+float32 prefill to 4e-6 relative (docs/tokens-per-hour.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+EXTENSION = "eyas.synth.capture.CaptureExtension"
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder layer list of a vLLM causal LM (`model.model.layers`, or a multimodal wrapper's)."""
+    for path in ("model.layers", "language_model.model.layers", "model.language_model.layers"):
+        mod: Any = model
+        for part in path.split("."):
+            mod = getattr(mod, part, None)
+        if isinstance(mod, torch.nn.ModuleList):
+            return mod
+    raise ValueError(f"synth.capture: no decoder layer list found in {type(model).__name__}; "
+                     "set synth.capture=false (the extract stage then runs the target again)")
+
+
+class CaptureExtension:
+    """Methods mixed into vLLM's worker (`self.model_runner` is the worker's)."""
+
+    def eyas_capture_start(self, ids: list[int]) -> int:
+        """Hook the layers that make vLLM ids `ids` (ascending, L allowed); returns the hidden size."""
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        layers = _decoder_layers(runner.model)
+        if not ids or min(ids) < 1 or max(ids) > len(layers):
+            raise ValueError(f"synth.capture: layer ids {ids} outside 1..{len(layers)}")
+        st: dict[str, Any] = {"ids": list(ids), "rows": {}, "pos": None, "sched": None, "buf": {}}
+        self._eyas = st
+        run = runner.execute_model
+
+        def execute_model(scheduler_output, *a, **k):
+            st["sched"] = scheduler_output
+            return run(scheduler_output, *a, **k)
+
+        runner.execute_model = execute_model
+
+        def pre(mod, args, kwargs):
+            st["rows"], st["pos"] = {}, kwargs["positions"] if "positions" in kwargs else args[0]
+
+        layers[0].register_forward_pre_hook(pre, with_kwargs=True)
+        last = max(ids)
+        for k in ids:
+            def hook(mod, args, out, k=k):
+                h, r = out if isinstance(out, tuple) else (out, None)
+                st["rows"][k] = h + r if r is not None else h
+                if k == last:
+                    self._eyas_split(runner)
+            layers[k - 1].register_forward_hook(hook)
+        return int(runner.model_config.get_hidden_size())
+
+    def _eyas_split(self, runner: Any) -> None:
+        """This forward's rows -> each request's (positions, states) chunks."""
+        st, so = self._eyas, self._eyas["sched"]
+        counts = so.num_scheduled_tokens if so is not None else {}
+        order = [r for r in runner.input_batch.req_ids if r is not None]
+        n = [counts.get(r, 0) for r in order]
+        total = sum(n)
+        if not total:
+            return
+        states = torch.stack([st["rows"][k][:total] for k in st["ids"]], 1)  # [N, n_ids, H]
+        pos = st["pos"][:total]
+        o = 0
+        for r, c in zip(order, n):
+            if c:
+                st["buf"].setdefault(r, []).append((pos[o:o + c].to("cpu", copy=True),
+                                                    states[o:o + c].to("cpu", copy=True)))
+            o += c
+
+    def eyas_capture_take(self, ids: list[str]) -> list[dict[str, Any] | None]:
+        """Per external request id its states as raw bytes (vLLM's RPC turns tensors into lists; `take`
+        decodes) and its buffer dropped; None when nothing of it ran. vLLM's internal ids are the
+        external ones plus a suffix (`ID-xxxxxxxx`)."""
+        buf = self._eyas["buf"]
+        out: list[dict[str, Any] | None] = []
+        for ext in ids:
+            key = ext if ext in buf else next((k for k in buf if k.startswith(ext + "-")), None)
+            chunks = buf.pop(key, None) if key is not None else None
+            if not chunks:
+                out.append(None)
+                continue
+            T = max(int(p.max()) for p, _ in chunks) + 1
+            states = torch.zeros((T, *chunks[0][1].shape[1:]), dtype=chunks[0][1].dtype)
+            seen = torch.zeros(T, dtype=torch.bool)
+            for p, s in chunks:  # in step order: a recomputed position (preemption) keeps its last value
+                states[p] = s
+                seen[p] = True
+            out.append({"shape": list(states.shape), "dtype": str(states.dtype).removeprefix("torch."),
+                        "states": states.contiguous().view(torch.uint8).numpy().tobytes(),
+                        "seen": seen.numpy().tobytes()})
+        return out
+
+    def eyas_capture_drop(self) -> int:
+        """Forget every buffer (requests aborted or refused); returns how many there were."""
+        n = len(self._eyas["buf"])
+        self._eyas["buf"].clear()
+        return n
+
+
+def take(llm: Any, ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """From a `vllm.LLM` built with `worker_extension_cls=EXTENSION` (first rank's answer): per finished
+    request id, (states [T, n_ids, H], seen bool [T]), or None."""
+    out: list[tuple[torch.Tensor, torch.Tensor] | None] = []
+    for r in llm.collective_rpc("eyas_capture_take", args=(list(ids),))[0]:
+        if r is None:
+            out.append(None)
+            continue
+        dtype = getattr(torch, r["dtype"])
+        states = torch.frombuffer(bytearray(r["states"]), dtype=torch.uint8).view(dtype).view(*r["shape"])
+        seen = torch.frombuffer(bytearray(r["seen"]), dtype=torch.bool)
+        out.append((states, seen))
+    return out
+
+
+def fill_prefix(ids: list[int], states: torch.Tensor, seen: torch.Tensor,
+                prev: tuple[list[int], torch.Tensor] | None) -> torch.Tensor | None:
+    """A request's states [T, n, H] with the positions vLLM served from its prefix cache (`seen` False) taken
+    from `prev` = (token ids, states) of the same conversation's previous turn, where the tokens agree;
+    None when a position is still missing (the extract stage then runs that conversation)."""
+    if bool(seen.all()):
+        return states
+    missing = (~seen).nonzero().flatten()
+    if prev is None:
+        return None
+    pids, pstates = prev
+    end = int(missing.max()) + 1
+    if end > len(pids) or pids[:end] != ids[:end]:
+        return None
+    states = states.clone()
+    states[missing] = pstates[missing].to(states.dtype)
+    return states
+
+
+# ---------------------------------------------------------------- the synthesis side
+
+CAPTURED = "captured"  # OUT/captured: a feature dir beside OUT/conversations.jsonl
+# tokens at a conversation's end the engine never ran: the last reply's final token (sampled, never fed
+# back) and the template's tail after the reply (`<|im_end|>` of a reply cut at max_tokens, a newline)
+SLACK = 3
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+class CaptureWriter:
+    """Finished conversations' captured states -> `OUT/captured` (eyas features: aux ids + the final normed
+    state, bf16), aligned with the conversation as the extract stage renders it. A conversation whose
+    states are incomplete (a prefix vLLM cached from another conversation) or whose last reply retokenizes
+    differently is left out: the extract stage runs it."""
+
+    def __init__(self, out: Path, target: Path, tok: Any, template: str, max_len: int, layer_ids: list[int],
+                 prompts_sha256: str, compute_dtype: str):
+        from eyas.extract.vllm_backend import load_final_norm
+        from eyas.features import FeatureWriter
+        from eyas.manifest import tokenizer_hash
+        from eyas.target import facts, resolve_layer_ids, target_fingerprint
+        from eyas.chat import template_hash
+
+        f = facts(target)
+        self.layer_ids = resolve_layer_ids(layer_ids or None, f["num_layers"])
+        self.vllm_ids = sorted(set(self.layer_ids) | {f["num_layers"]})  # + L: the pre-norm final state
+        self._cols = [self.vllm_ids.index(k) for k in self.layer_ids]
+        self._last = self.vllm_ids.index(f["num_layers"])
+        self.norm = load_final_norm(target)
+        self.tok, self.template, self.max_len = tok, template, max_len
+        header = {"target": str(target), "backend": "capture", "compute_dtype": compute_dtype,
+                  "layer_ids": self.layer_ids, "dtype": "bf16", "hidden_size": f["hidden_size"],
+                  "num_target_layers": f["num_layers"], "tokenizer_hash": tokenizer_hash(target),
+                  "target_fingerprint": target_fingerprint(target), "template_hash": template_hash(template),
+                  "max_len": max_len, "data_sha256": prompts_sha256,
+                  "layer_id_convention": "k = residual stream after k decoder layers = HF hidden_states[k]",
+                  "last_hidden_states": "final normed state = HF hidden_states[L] = lm_head input"}
+        self.writer = FeatureWriter(out / CAPTURED, header, samples_per_shard=64)
+        self.done = self.writer.done_ids
+        self.kept = self.left = 0
+        self.short_by: list[int] = []
+
+    def add(self, conv_id: str, msgs: list[dict[str, str]], captured: tuple[list[int], torch.Tensor] | None) -> None:
+        """One finished conversation (`msgs` ending with its last reply) and its last turn's filled states."""
+        from eyas.chat import render_with_mask
+
+        if not msgs or conv_id in self.done:
+            return
+        if captured is None:
+            self.left += 1
+            return
+        ids, states = captured
+        r = render_with_mask(self.tok, msgs, self.template, where=f"conversation {conv_id}")
+        full = r.input_ids[: self.max_len]
+        k = common_prefix(ids, full)
+        if k < len(full) - SLACK or k == 0:
+            self.left += 1
+            self.short_by.append(len(full) - k)  # the rendered tokens past the last one the engine ran alike
+            return
+        with torch.no_grad():
+            last = self.norm(states[:k, self._last].float())  # [k, H] = HF hidden_states[L]
+        self.writer.add({"id": conv_id, "input_ids": torch.tensor(full[:k], dtype=torch.int64),
+                         "loss_mask": torch.tensor(r.loss_mask[:k], dtype=torch.bool),
+                         "aux_hidden_states": states[:k, self._cols].to(torch.bfloat16),
+                         "last_hidden_states": last.to(torch.bfloat16)}, truncated=len(r.input_ids) > self.max_len)
+        self.kept += 1
+
+    def finish(self) -> dict[str, Any]:
+        return self.writer.finish(kept_last_run=self.kept, left_to_extract_last_run=self.left)
