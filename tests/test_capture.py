@@ -30,6 +30,15 @@ def test_fill_prefix_takes_cached_positions_from_the_turn_before():
     assert fill_prefix([1, 2, 3, 4, 5, 6], cut, seen, ([1, 2], states[:2])) is None  # too short
 
 
+def test_capture_needs_vllm_in_this_process_run_eagerly():
+    from eyas.config import SynthConfig
+    from eyas.synth import captures
+
+    assert captures(SynthConfig(capture=True)) and not captures(SynthConfig())
+    for off in ({"endpoint": ["http://127.0.0.1:8000"]}, {"serve": True}, {"engine": "hf"}, {"enforce_eager": False}):
+        assert not captures(SynthConfig(capture=True, **off)), off
+
+
 def _engine_states(target: Path, ids: list[int], vllm_ids: list[int]) -> torch.Tensor:
     """What the engine hands back for `ids`: vLLM ids k < L = HF hidden_states[k], L = layer L's raw output."""
     hs, pre, *_ = hf_reference(target, torch.tensor(ids))

@@ -115,8 +115,9 @@ def conversations_to_run(path: str, limit: int, turns: str) -> tuple[list[Conv],
 
 
 def captures(cfg: SynthConfig) -> bool:
-    """synth.capture applies to vLLM in this process (the hooks live in its worker)."""
-    return cfg.capture and cfg.engine == "vllm" and not cfg.endpoint and not cfg.serve
+    """synth.capture applies to vLLM in this process (the hooks live in its worker), run eagerly (a replayed
+    compiled graph would skip the hooks)."""
+    return cfg.capture and cfg.engine == "vllm" and not cfg.endpoint and not cfg.serve and cfg.enforce_eager
 
 
 @contextlib.contextmanager
@@ -340,8 +341,9 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
     if todo:
         t0 = time.monotonic()
         if cfg.capture and not captures(cfg):
-            print("eyas synth: synth.capture needs vLLM in this process (not --endpoint, --serve or the hf engine): "
-                  "off; the extract stage runs the target over the conversations", file=sys.stderr)
+            print("eyas synth: synth.capture needs vLLM in this process, run eagerly (not --endpoint, --serve, the hf "
+                  "engine or synth.enforce_eager=false): off; the extract stage runs the target over the conversations",
+                  file=sys.stderr)
         capw = None
         if captures(cfg) and engine is None:
             from eyas.host import engine_dtype

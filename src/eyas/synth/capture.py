@@ -12,6 +12,8 @@ So eyas hooks the model in vLLM's worker instead:
   the residual stream after k layers, `hidden + residual` of layer k-1) plus id L (before the
   final norm). Each forward's rows are split by request with the step's scheduler output
   (the input batch's request order and scheduled token counts) and kept with their positions.
+  The hooks run only where the model runs eagerly: under torch.compile / CUDA graphs a replayed graph
+  skips them, so synthesis captures only with `synth.enforce_eager` (its default).
 - `eyas_capture_take(ids)` hands back, per finished request, `states` [T, n_ids, H] and a
   `seen` mask [T] (T = prompt + reply - 1: the last sampled token never ran through the model).
   Positions vLLM took from its prefix cache did not run either (`seen` False): the caller
@@ -118,12 +120,6 @@ class CaptureExtension:
                         "seen": seen.numpy().tobytes()})
         return out
 
-    def eyas_capture_drop(self) -> int:
-        """Forget every buffer (requests aborted or refused); returns how many there were."""
-        n = len(self._eyas["buf"])
-        self._eyas["buf"].clear()
-        return n
-
 
 def take(llm: Any, ids: list[str]) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
     """From a `vllm.LLM` built with `worker_extension_cls=EXTENSION` (first rank's answer): per finished
@@ -217,7 +213,7 @@ class CaptureWriter:
         ids, states = captured
         r = render_with_mask(self.tok, msgs, self.template, where=f"conversation {conv_id}")
         full = r.input_ids[: self.max_len]
-        k = common_prefix(ids, full)
+        k = min(common_prefix(ids, full), states.shape[0])
         if k < len(full) - SLACK or k == 0:
             self.left += 1
             self.short_by.append(len(full) - k)  # the rendered tokens past the last one the engine ran alike
