@@ -52,7 +52,8 @@ def test_extract_takes_captured_conversations_and_runs_the_rest(tmp_path, tiny_l
     from eyas.chat import load_chat_template, load_tokenizer
     from eyas.extract import Renderer, extract
     from eyas.features import open_features
-    from eyas.synth.capture import SLACK, CaptureWriter
+    from eyas.features import CAPTURE_SLACK as SLACK
+    from eyas.synth.capture import CaptureWriter
 
     synth = tmp_path / "synth"
     synth.mkdir()

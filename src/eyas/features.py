@@ -37,6 +37,12 @@ from eyas.manifest import MANIFEST, read_manifest, sha256_file, write_manifest
 from eyas.stage import claim
 
 FORMAT = "eyas-features-v1"
+# SYNTH_OUT/captured: the states synthesis kept as the target wrote (synth.capture), in this format with the
+# final state before the final norm (`last_normed: false`); the extract stage takes a conversation from it
+# when its tokens are the rendered conversation's, all but at most CAPTURE_SLACK at the end (the last reply's
+# final token, never fed back, and the template's tail)
+CAPTURED = "captured"
+CAPTURE_SLACK = 3
 STORAGE_DTYPES = choices(ExtractConfig, "dtype")
 SHARD_GLOB = "shard-*.safetensors"
 

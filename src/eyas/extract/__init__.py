@@ -107,9 +107,9 @@ def _extract(cfg: ExtractConfig) -> Path:
          f"(backend {cfg.backend}, layers {layer_ids}, storage {cfg.dtype})")
     skipped: list[str] = []
     t0, ntok, adopted = time.time(), 0, 0
-    from eyas.synth.capture import CAPTURED
+    from eyas.features import CAPTURED
 
-    captured = Captured.open(Path(cfg.data).parent / CAPTURED, header) if todo else None
+    captured = Captured.open(Path(cfg.data).parent / CAPTURED, header, target) if todo else None
     extractor = None  # started when a conversation needs the target (none may, with everything captured)
     try:
         for start in range(0, len(todo), cfg.samples_per_shard):
@@ -158,12 +158,15 @@ class Captured:
     MUST_MATCH = ("layer_ids", "hidden_size", "num_target_layers", "tokenizer_hash", "template_hash",
                   "target_fingerprint", "max_len")
 
-    def __init__(self, ds, where: Path):
+    def __init__(self, ds, where: Path, target: Path):
+        from eyas.extract.vllm_backend import load_final_norm
+
         self.ds, self.where = ds, where
         self.index = {i: n for n, i in enumerate(ds.ids)}
+        self.norm = load_final_norm(target)  # captured: layer L's raw output; the features: HF hidden_states[L]
 
     @classmethod
-    def open(cls, path: Path, header: dict) -> Captured | None:
+    def open(cls, path: Path, header: dict, target: Path) -> Captured | None:
         from eyas.features import open_features
 
         if not (path / "manifest.json").exists():
@@ -177,14 +180,17 @@ class Captured:
         if differ:
             _log(f"{path} was captured with another {', '.join(differ)}: not used; the target runs every conversation")
             return None
-        return cls(ds, path)
+        if ds.manifest.get("last_normed") is not False:
+            _log(f"{path} does not say its final state is before the norm (last_normed: false): not used")
+            return None
+        return cls(ds, path, target)
 
     def sample(self, r: dict) -> dict | None:
         """The captured sample for rendered conversation `r`, cut to the tokens the engine ran (all but the
         last <= SLACK), or None (not captured, or other tokens: the target runs it)."""
         import torch
 
-        from eyas.synth.capture import SLACK
+        from eyas.features import CAPTURE_SLACK as SLACK
 
         n = self.index.get(r["id"])
         if n is None:
@@ -193,8 +199,10 @@ class Captured:
         T, ids = s["input_ids"].shape[0], r["input_ids"]
         if T < ids.shape[0] - SLACK or T > ids.shape[0] or not torch.equal(s["input_ids"], ids[:T]):
             return None
+        with torch.no_grad():
+            last = self.norm(s["last_hidden_states"].float())  # [T, H] = HF hidden_states[L]
         return {"id": r["id"], "input_ids": ids[:T], "loss_mask": r["loss_mask"][:T],
-                "aux_hidden_states": s["aux_hidden_states"], "last_hidden_states": s["last_hidden_states"]}
+                "aux_hidden_states": s["aux_hidden_states"], "last_hidden_states": last.to(torch.bfloat16)}
 
 
 # ---------------------------------------------------------------- CLI

@@ -157,27 +157,20 @@ def fill_prefix(ids: list[int], states: torch.Tensor, seen: torch.Tensor,
 
 # ---------------------------------------------------------------- the synthesis side
 
-CAPTURED = "captured"  # OUT/captured: a feature dir beside OUT/conversations.jsonl
-# tokens at a conversation's end the engine never ran: the last reply's final token (sampled, never fed
-# back) and the template's tail after the reply (`<|im_end|>` of a reply cut at max_tokens, a newline)
-SLACK = 3
-
-
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
 class CaptureWriter:
-    """Finished conversations' captured states -> `OUT/captured` (eyas features: aux ids + the final normed
-    state, bf16), aligned with the conversation as the extract stage renders it. A conversation whose
-    states are incomplete (a prefix vLLM cached from another conversation) or whose last reply retokenizes
-    differently is left out: the extract stage runs it."""
+    """Finished conversations' captured states -> `OUT/captured` (eyas features, bf16: the aux ids and the
+    final state before the final norm, which the extract stage applies), aligned with the conversation as
+    the extract stage renders it. A conversation whose states are incomplete (a prefix vLLM cached from
+    another conversation) or whose last reply retokenizes differently is left out: the extract stage runs it."""
 
     def __init__(self, out: Path, target: Path, tok: Any, template: str, max_len: int, layer_ids: list[int],
                  prompts_sha256: str, compute_dtype: str):
-        from eyas.extract.vllm_backend import load_final_norm
-        from eyas.features import FeatureWriter
+        from eyas.features import CAPTURED, FeatureWriter
         from eyas.manifest import tokenizer_hash
         from eyas.target import facts, resolve_layer_ids, target_fingerprint
         from eyas.chat import template_hash
@@ -187,7 +180,6 @@ class CaptureWriter:
         self.vllm_ids = sorted(set(self.layer_ids) | {f["num_layers"]})  # + L: the pre-norm final state
         self._cols = [self.vllm_ids.index(k) for k in self.layer_ids]
         self._last = self.vllm_ids.index(f["num_layers"])
-        self.norm = load_final_norm(target)
         self.tok, self.template, self.max_len = tok, template, max_len
         header = {"target": str(target), "backend": "capture", "compute_dtype": compute_dtype,
                   "layer_ids": self.layer_ids, "dtype": "bf16", "hidden_size": f["hidden_size"],
@@ -195,7 +187,8 @@ class CaptureWriter:
                   "target_fingerprint": target_fingerprint(target), "template_hash": template_hash(template),
                   "max_len": max_len, "data_sha256": prompts_sha256,
                   "layer_id_convention": "k = residual stream after k decoder layers = HF hidden_states[k]",
-                  "last_hidden_states": "final normed state = HF hidden_states[L] = lm_head input"}
+                  "last_hidden_states": "layer L's raw output, before the final norm (the extract stage applies it)",
+                  "last_normed": False}
         self.writer = FeatureWriter(out / CAPTURED, header, samples_per_shard=64)
         self.done = self.writer.done_ids
         self.kept = self.left = 0
@@ -204,6 +197,7 @@ class CaptureWriter:
     def add(self, conv_id: str, msgs: list[dict[str, str]], captured: tuple[list[int], torch.Tensor] | None) -> None:
         """One finished conversation (`msgs` ending with its last reply) and its last turn's filled states."""
         from eyas.chat import render_with_mask
+        from eyas.features import CAPTURE_SLACK
 
         if not msgs or conv_id in self.done:
             return
@@ -214,16 +208,15 @@ class CaptureWriter:
         r = render_with_mask(self.tok, msgs, self.template, where=f"conversation {conv_id}")
         full = r.input_ids[: self.max_len]
         k = min(common_prefix(ids, full), states.shape[0])
-        if k < len(full) - SLACK or k == 0:
+        if k < len(full) - CAPTURE_SLACK or k == 0:
             self.left += 1
             self.short_by.append(len(full) - k)  # the rendered tokens past the last one the engine ran alike
             return
-        with torch.no_grad():
-            last = self.norm(states[:k, self._last].float())  # [k, H] = HF hidden_states[L]
         self.writer.add({"id": conv_id, "input_ids": torch.tensor(full[:k], dtype=torch.int64),
                          "loss_mask": torch.tensor(r.loss_mask[:k], dtype=torch.bool),
                          "aux_hidden_states": states[:k, self._cols].to(torch.bfloat16),
-                         "last_hidden_states": last.to(torch.bfloat16)}, truncated=len(r.input_ids) > self.max_len)
+                         "last_hidden_states": states[:k, self._last].to(torch.bfloat16)},  # [k, H], pre-norm
+                        truncated=len(r.input_ids) > self.max_len)
         self.kept += 1
 
     def finish(self) -> dict[str, Any]:
