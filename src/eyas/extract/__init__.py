@@ -158,10 +158,10 @@ class Captured:
     MUST_MATCH = ("layer_ids", "hidden_size", "num_target_layers", "tokenizer_hash", "template_hash",
                   "target_fingerprint", "max_len")
 
-    def __init__(self, ds, where: Path, target: Path):
+    def __init__(self, ds, target: Path):
         from eyas.extract.vllm_backend import load_final_norm
 
-        self.ds, self.where = ds, where
+        self.ds = ds
         self.index = {i: n for n, i in enumerate(ds.ids)}
         self.norm = load_final_norm(target)  # captured: layer L's raw output; the features: HF hidden_states[L]
 
@@ -183,7 +183,7 @@ class Captured:
         if ds.manifest.get("last_normed") is not False:
             _log(f"{path} does not say its final state is before the norm (last_normed: false): not used")
             return None
-        return cls(ds, path, target)
+        return cls(ds, target)
 
     def sample(self, r: dict) -> dict | None:
         """The captured sample for rendered conversation `r`, cut to the tokens the engine ran (all but the

@@ -93,9 +93,10 @@ class InProcessEngine:
         res = []
         for o, cap in zip(outs, caps, strict=True):
             c = o.outputs[0]
-            ids = list(o.prompt_token_ids) + list(c.token_ids)[:-1]
+            # the tokens the states belong to: the prompt and the reply but its last (sampled, never fed back)
+            captured = (list(o.prompt_token_ids) + list(c.token_ids)[:-1], *cap) if cap is not None else None
             res.append(Completion(c.text, len(c.token_ids), len(o.prompt_token_ids), str(c.finish_reason),
-                                  captured=(ids, *cap) if cap is not None else None))
+                                  captured=captured))
         return res
 
     def _refused(self, e: Exception) -> ValueError:
