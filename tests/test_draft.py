@@ -157,6 +157,30 @@ def test_ttt_mask_pattern():
     assert m.int().tolist() == want
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("B,T,nh,nkv", [(2, 37, 4, 2), (1, 130, 3, 3)])
+def test_diagonal_merge_equals_the_dense_masked_attention(dtype, tol, B, T, nh, nkv):
+    """The CPU path of TTT steps 1..2 (a causal flash pass merged with the diagonal keys) against one
+    dense SDPA over all (i+1)T keys with `ttt_mask`: outputs and every input's gradient."""
+    import torch.nn.functional as F
+
+    from eyas.draft.unroll import attend
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, nh, T, 16, generator=g).to(dtype).requires_grad_()
+    ks = [torch.randn(B, nkv, T, 16, generator=g).to(dtype).requires_grad_() for _ in range(3)]
+    vs = [torch.randn(B, nkv, T, 16, generator=g).to(dtype).requires_grad_() for _ in range(3)]
+    for i in (1, 2):
+        ins = [q, *ks[: i + 1], *vs[: i + 1]]
+        got = attend(q, ks[: i + 1], vs[: i + 1])
+        want = F.scaled_dot_product_attention(q, torch.cat(ks[: i + 1], 2), torch.cat(vs[: i + 1], 2),
+                                              attn_mask=ttt_mask(T, i), enable_gqa=nh != nkv)
+        dout = torch.randn(want.shape, generator=g).to(dtype)
+        for a, b in zip([got, *torch.autograd.grad(got, ins, dout)], [want, *torch.autograd.grad(want, ins, dout)]):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            assert (a.float() - b.float()).abs().max() <= tol * b.float().abs().max()
+
+
 def brute_force(model: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, K: int):
     """Inference simulated token by token with an explicit KV cache (one sequence).
 
