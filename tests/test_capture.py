@@ -46,12 +46,33 @@ def _engine_states(target: Path, ids: list[int], vllm_ids: list[int]) -> torch.T
     return torch.stack([pre if k == L else hs[k] for k in vllm_ids], 1)  # [T, n_ids, H]
 
 
+def _extract_edited(tmp_path: Path, target: Path, synth: Path, convs: list[dict], edit: int, reply: str):
+    """Conversation `edit`'s last reply replaced by `reply` after synthesis; the conversations extracted beside
+    SYNTH/captured and, for reference, from a dir without it. -> (the features' manifest, {id: sample}, {id: ref})."""
+    from eyas.extract import extract
+    from eyas.features import open_features
+
+    changed = json.loads(json.dumps(convs))
+    changed[edit]["messages"][-1]["content"] = reply
+    (synth / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in changed))
+    cfg = ExtractConfig(target=str(target), data=str(synth / "conversations.jsonl"), out=str(tmp_path / "feat"),
+                        backend="hf", compute_dtype="fp32", layer_ids=[1, 2, 3])
+    extract(cfg)
+    (tmp_path / "plain").mkdir()
+    ref_cfg = ExtractConfig(**{**cfg.__dict__, "data": str(tmp_path / "plain" / "c.jsonl"), "out": str(tmp_path / "ref")})
+    (tmp_path / "plain" / "c.jsonl").write_text((synth / "conversations.jsonl").read_text())
+    extract(ref_cfg)
+    ref = open_features(ref_cfg.out)
+    assert ref.manifest["captured_last_run"] == 0
+    ds = open_features(cfg.out)
+    return ds.manifest, {s["id"]: s for s in ds}, {s["id"]: s for s in ref}
+
+
 def test_extract_takes_captured_conversations_and_runs_the_rest(tmp_path, tiny_llama):
     """Conversation a: captured and taken as is; b: captured, then its reply changed (a re-run's other sample):
     run through the target; c: not captured (a prefix vLLM cached from another conversation): run too."""
     from eyas.chat import load_chat_template, load_tokenizer
-    from eyas.extract import Renderer, extract
-    from eyas.features import open_features
+    from eyas.extract import Renderer
     from eyas.features import CAPTURE_SLACK as SLACK
     from eyas.synth.capture import CaptureWriter
 
@@ -71,23 +92,9 @@ def test_extract_takes_captured_conversations_and_runs_the_rest(tmp_path, tiny_l
     assert (capw.kept, capw.left) == (2, 1)
     capw.finish()
 
-    changed = json.loads(json.dumps(convs))
-    changed[1]["messages"][-1]["content"] = "You are very welcome."
-    (synth / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in changed))
-    cfg = ExtractConfig(target=str(tiny_llama), data=str(synth / "conversations.jsonl"), out=str(tmp_path / "feat"),
-                        backend="hf", compute_dtype="fp32", layer_ids=[1, 2, 3])
-    extract(cfg)
-    ds = open_features(cfg.out)
-    assert ds.manifest["captured_last_run"] == 1 and sorted(ds.ids) == ["a", "b", "c"]
-    got = {s["id"]: s for s in ds}
-
-    # the same conversations run through the target: a's captured sample is theirs, short of its last SLACK tokens
-    ref_cfg = ExtractConfig(**{**cfg.__dict__, "data": str(tmp_path / "plain.jsonl"), "out": str(tmp_path / "ref")})
-    (tmp_path / "plain.jsonl").write_text((synth / "conversations.jsonl").read_text())
-    extract(ref_cfg)
-    ref = {s["id"]: s for s in open_features(ref_cfg.out)}
-    assert "captured_last_run" in open_features(ref_cfg.out).manifest
-    assert open_features(ref_cfg.out).manifest["captured_last_run"] == 0
+    man, got, ref = _extract_edited(tmp_path, tiny_llama, synth, convs, 1, "You are very welcome.")
+    assert man["captured_last_run"] == 1 and sorted(got) == ["a", "b", "c"]
+    # against the same conversations run through the target: a's captured sample is theirs, short of its last SLACK
     a, ra = got["a"], ref["a"]
     T = a["input_ids"].shape[0]
     assert ra["input_ids"].shape[0] - SLACK <= T < ra["input_ids"].shape[0]
@@ -95,6 +102,51 @@ def test_extract_takes_captured_conversations_and_runs_the_rest(tmp_path, tiny_l
     assert tok_err(a["aux_hidden_states"], ra["aux_hidden_states"][:T]) < 1e-2
     assert tok_err(a["last_hidden_states"], ra["last_hidden_states"][:T]) < 1e-2
     for cid in ("b", "c"):  # run through the target: whole
+        assert torch.equal(got[cid]["input_ids"], ref[cid]["input_ids"])
+        assert torch.equal(got[cid]["aux_hidden_states"], ref[cid]["aux_hidden_states"])
+
+
+def test_a_reply_that_re_renders_otherwise_is_kept_as_the_engine_generated_it(tmp_path, tiny_llama):
+    """The engine's last-reply tokens part from the render inside that reply (non-canonical tokenization):
+    synthesis keeps the engine's tokens and states and lists the conversation in as_generated.jsonl; the
+    extract stage takes that sample as is while the conversation renders as it did, and runs it through the
+    target once it was edited; tokens parting before the last reply leave the conversation to the target."""
+    from eyas.chat import load_chat_template, load_tokenizer
+    from eyas.extract import Renderer
+    from eyas.features import CAPTURE_AS_GENERATED, CAPTURED
+    from eyas.synth.capture import CaptureWriter
+
+    synth = tmp_path / "synth"
+    synth.mkdir()
+    convs = [CONVS[0], {**CONVS[0], "id": "edited"}, {**CONVS[1], "id": "early"}]
+    tok, template = load_tokenizer(tiny_llama), load_chat_template(tiny_llama)
+    capw = CaptureWriter(synth, tiny_llama, tok, template, 2048, [1, 2, 3], "sha", "fp32")
+    renderer = Renderer(tiny_llama, "", 2048)
+    engine = {}
+    for conv in convs:
+        r = renderer.render(conv)
+        full = r["input_ids"].tolist()
+        m = r["loss_mask"].tolist()
+        last = max(i for i in range(1, len(m)) if m[i] and not m[i - 1])  # the last reply's first token
+        k = last + 2 if conv["id"] != "early" else last - 1
+        # the engine wrote the reply's tokens k, k+1 as one other token, then the rest as rendered
+        engine[conv["id"]] = ids = full[:k] + [(full[k] + 1) % 100] + full[k + 2 : -2]
+        capw.add(conv["id"], conv["messages"], (ids, _engine_states(tiny_llama, ids, capw.vllm_ids)))
+    assert (capw.kept, capw.left, capw.as_generated) == (2, 1, 2)
+    man = capw.finish()
+    assert man["as_generated_last_run"] == 2 and man["left_to_extract_last_run"] == 1
+    listed = (synth / CAPTURED / CAPTURE_AS_GENERATED).read_text().splitlines()
+    assert [json.loads(x)["id"] for x in listed] == ["a", "edited"]
+
+    man, got, ref = _extract_edited(tmp_path, tiny_llama, synth, convs, 1, "Another reply, written after synthesis.")
+    assert man["captured_last_run"] == 1 and man["captured_as_generated_last_run"] == 1
+    a, ra = got["a"], ref["a"]
+    assert a["input_ids"].tolist() == engine["a"]
+    k = next(i for i, (x, y) in enumerate(zip(engine["a"], ra["input_ids"].tolist())) if x != y)
+    assert a["loss_mask"].tolist() == ra["loss_mask"][:k].tolist() + [True] * (len(engine["a"]) - k)
+    want = _engine_states(tiny_llama, engine["a"], capw.vllm_ids)  # the target's states on the engine's tokens
+    assert tok_err(a["aux_hidden_states"], want[:, :3]) < 1e-2
+    for cid in ("edited", "early"):  # run through the target: the render
         assert torch.equal(got[cid]["input_ids"], ref[cid]["input_ids"])
         assert torch.equal(got[cid]["aux_hidden_states"], ref[cid]["aux_hidden_states"])
 
@@ -155,7 +207,7 @@ def test_vllm_captured_states_equal_hf_and_extract_takes_them(tmp_path, embedded
     assert p.returncode == 0, p.stderr[-3000:]
     man = json.loads((out / "manifest.json").read_text())
     assert man["last_run"]["captured"] == {"kept": 3, "left_to_extract": 0, "prefix_filled_turns": 1,
-                                             "left_short_by": []}, man["last_run"]
+                                             "as_generated": 0}, man["last_run"]
     cfg = ExtractConfig(target=str(embedded_target), data=str(out / "conversations.jsonl"), out=str(tmp_path / "f"),
                         backend="hf")
     extract(cfg)

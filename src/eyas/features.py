@@ -43,6 +43,22 @@ FORMAT = "eyas-features-v1"
 # final token, never fed back, and the template's tail)
 CAPTURED = "captured"
 CAPTURE_SLACK = 3
+# CAPTURED/as_generated.jsonl: conversations whose last reply re-renders to other tokens than the engine
+# generated (non-canonical tokenization), kept with the engine's own tokens (those the draft meets when it
+# serves): {"id", "tokens": the render's length, "sha256": `ids_digest` of the render}. The extract stage
+# takes such a sample only while the conversation still renders to those tokens (one edited since
+# synthesis is run through the target).
+CAPTURE_AS_GENERATED = "as_generated.jsonl"
+
+
+def ids_digest(ids: Sequence[int]) -> str:
+    """sha256 of a token id sequence (as little-endian int64)."""
+    import hashlib
+    import struct
+
+    return hashlib.sha256(struct.pack(f"<{len(ids)}q", *(int(i) for i in ids))).hexdigest()
+
+
 STORAGE_DTYPES = choices(ExtractConfig, "dtype")
 SHARD_GLOB = "shard-*.safetensors"
 

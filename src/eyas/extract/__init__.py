@@ -143,7 +143,8 @@ def _extract(cfg: ExtractConfig) -> Path:
         writer.write_manifest(complete=False, skipped_no_assistant=len(skipped), skipped_ids=skipped)
         raise ValueError(f"{cfg.data}: none of its {len(convs)} conversations has an assistant token within "
                          f"extract.max_len={cfg.max_len}: nothing to train on (raise max_len, or check the file)")
-    man = writer.finish(skipped_no_assistant=len(skipped), skipped_ids=skipped, captured_last_run=adopted)
+    man = writer.finish(skipped_no_assistant=len(skipped), skipped_ids=skipped, captured_last_run=adopted,
+                        captured_as_generated_last_run=captured.taken_as_generated if captured else 0)
     _log(f"done: {man['num_samples']} samples, {man['num_tokens']} tokens, {man['truncated']} truncated, "
          f"{len(skipped)} without assistant tokens skipped, {man['bytes'] / 1e6:.1f} MB in {man['num_shards']} shards")
     return Path(cfg.out)
@@ -158,16 +159,18 @@ class Captured:
     MUST_MATCH = ("layer_ids", "hidden_size", "num_target_layers", "tokenizer_hash", "template_hash",
                   "target_fingerprint", "max_len")
 
-    def __init__(self, ds, target: Path):
+    def __init__(self, ds, target: Path, as_generated: dict[str, tuple[int, str]] | None = None):
         from eyas.extract.vllm_backend import load_final_norm
 
         self.ds = ds
         self.index = {i: n for n, i in enumerate(ds.ids)}
         self.norm = load_final_norm(target)  # captured: layer L's raw output; the features: HF hidden_states[L]
+        self.as_generated = as_generated or {}  # id -> (rendered tokens, their digest): kept with the engine's tokens
+        self.taken_as_generated = 0
 
     @classmethod
     def open(cls, path: Path, header: dict, target: Path) -> Captured | None:
-        from eyas.features import open_features
+        from eyas.features import CAPTURE_AS_GENERATED, open_features
 
         if not (path / "manifest.json").exists():
             return None
@@ -183,25 +186,40 @@ class Captured:
         if ds.manifest.get("last_normed") is not False:
             _log(f"{path} does not say its final state is before the norm (last_normed: false): not used")
             return None
-        return cls(ds, target)
+        as_generated = {}
+        if (path / CAPTURE_AS_GENERATED).exists():
+            for line in (path / CAPTURE_AS_GENERATED).read_text().splitlines():
+                try:
+                    r = json.loads(line)
+                    as_generated[str(r["id"])] = (int(r["tokens"]), str(r["sha256"]))
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut off by a crash: its sample, if any, is run through the target
+        return cls(ds, target, as_generated)
 
     def sample(self, r: dict) -> dict | None:
-        """The captured sample for rendered conversation `r`, cut to the tokens the engine ran (all but the
-        last <= SLACK), or None (not captured, or other tokens: the target runs it)."""
+        """The captured sample for rendered conversation `r`: its tokens (all but the last <= SLACK), or the
+        engine's own where its last reply re-rendered to others and `r` still renders as it did then; None
+        when not captured or `r` renders otherwise now (the target runs it)."""
         import torch
 
         from eyas.features import CAPTURE_SLACK as SLACK
+        from eyas.features import ids_digest
 
         n = self.index.get(r["id"])
         if n is None:
             return None
         s = self.ds[n]
-        T, ids = s["input_ids"].shape[0], r["input_ids"]
-        if T < ids.shape[0] - SLACK or T > ids.shape[0] or not torch.equal(s["input_ids"], ids[:T]):
+        T, ids, mask = s["input_ids"].shape[0], r["input_ids"], r["loss_mask"]
+        if ids.shape[0] - SLACK <= T <= ids.shape[0] and torch.equal(s["input_ids"], ids[:T]):
+            ids, mask = ids[:T], mask[:T]
+        elif self.as_generated.get(r["id"]) == (ids.shape[0], ids_digest(ids.tolist())):
+            ids, mask = s["input_ids"], s["loss_mask"]
+            self.taken_as_generated += 1
+        else:
             return None
         with torch.no_grad():
             last = self.norm(s["last_hidden_states"].float())  # [T, H] = HF hidden_states[L]
-        return {"id": r["id"], "input_ids": ids[:T], "loss_mask": r["loss_mask"][:T],
+        return {"id": r["id"], "input_ids": ids, "loss_mask": mask,
                 "aux_hidden_states": s["aux_hidden_states"], "last_hidden_states": last.to(torch.bfloat16)}
 
 

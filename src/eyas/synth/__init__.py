@@ -413,7 +413,7 @@ def _synthesize(cfg: SynthConfig, engine=None) -> Path:
             if capw is not None:
                 capw.finish()
                 stats["captured"] = {"kept": capw.kept, "left_to_extract": capw.left, "prefix_filled_turns": turns.filled,
-                                     "left_short_by": sorted(capw.short_by)}
+                                     "as_generated": capw.as_generated}
 
     rows = scan_jsonl(out / OUT_FILE, "eyas synth")
     gen_skips = Counter(r["reason"] for r in scan_jsonl(out / SKIP_FILE, "eyas synth"))

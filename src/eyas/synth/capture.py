@@ -28,6 +28,7 @@ or better (docs/tokens-per-hour.md).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,10 @@ class CaptureWriter:
     """Finished conversations' captured states -> `OUT/captured` (eyas features, bf16: the aux ids and the
     final state before the final norm, which the extract stage applies), aligned with the conversation as
     the extract stage renders it. A conversation whose states are incomplete (a prefix vLLM cached from
-    another conversation) or whose last reply retokenizes differently is left out: the extract stage runs it."""
+    another conversation) is left out: the extract stage runs it. One whose last reply re-renders to other tokens
+    than the engine generated (non-canonical tokenization: 4-7% of the recipes' conversations) is kept with the
+    engine's tokens, the ones the draft meets when serving, and listed in `as_generated.jsonl`
+    (`eyas.features.CAPTURE_AS_GENERATED`)."""
 
     def __init__(self, out: Path, target: Path, tok: Any, template: str, max_len: int, layer_ids: list[int],
                  prompts_sha256: str, compute_dtype: str):
@@ -192,13 +196,12 @@ class CaptureWriter:
                   "last_normed": False}
         self.writer = FeatureWriter(out / CAPTURED, header, samples_per_shard=64)
         self.done = self.writer.done_ids
-        self.kept = self.left = 0
-        self.short_by: list[int] = []
+        self.kept = self.left = self.as_generated = 0
 
     def add(self, conv_id: str, msgs: list[dict[str, str]], captured: tuple[list[int], torch.Tensor] | None) -> None:
         """One finished conversation (`msgs` ending with its last reply) and its last turn's filled states."""
         from eyas.chat import render_with_mask
-        from eyas.features import CAPTURE_SLACK
+        from eyas.features import CAPTURE_AS_GENERATED, CAPTURE_SLACK, ids_digest
 
         if not msgs or conv_id in self.done:
             return
@@ -207,18 +210,26 @@ class CaptureWriter:
             return
         ids, states = captured
         r = render_with_mask(self.tok, msgs, self.template, where=f"conversation {conv_id}")
-        full = r.input_ids[: self.max_len]
-        k = min(common_prefix(ids, full), states.shape[0])
-        if k < len(full) - CAPTURE_SLACK or k == 0:
-            self.left += 1
-            self.short_by.append(len(full) - k)  # the rendered tokens past the last one the engine ran alike
-            return
-        self.writer.add({"id": conv_id, "input_ids": torch.tensor(full[:k], dtype=torch.int64),
-                         "loss_mask": torch.tensor(r.loss_mask[:k], dtype=torch.bool),
-                         "aux_hidden_states": states[:k, self._cols].to(torch.bfloat16),
-                         "last_hidden_states": states[:k, self._last].to(torch.bfloat16)},  # [k, H], pre-norm
-                        truncated=len(r.input_ids) > self.max_len)
+        full, n = r.input_ids[: self.max_len], min(len(ids), states.shape[0], self.max_len)
+        k = min(common_prefix(ids, full), n)
+        if k >= len(full) - CAPTURE_SLACK and k:  # the render's tokens, all but the last reply's final ones
+            ids, mask, n = full[:k], r.loss_mask[:k], k
+        else:  # they part inside the last reply (the earlier turns are rendered text in its prompt too)
+            last = next((i for i in range(len(full) - 1, 0, -1) if r.loss_mask[i] and not r.loss_mask[i - 1]), None)
+            if last is None or k < last:
+                self.left += 1
+                return
+            ids, mask = ids[:n], r.loss_mask[:k] + [True] * (n - k)  # the rest: the last reply as generated
+            self.as_generated += 1
+            with open(self.writer.out / CAPTURE_AS_GENERATED, "a") as f:  # before its shard: a line alone is harmless
+                f.write(json.dumps({"id": conv_id, "tokens": len(full), "sha256": ids_digest(full)}) + "\n")
+        self.writer.add({"id": conv_id, "input_ids": torch.tensor(ids, dtype=torch.int64),
+                         "loss_mask": torch.tensor(mask, dtype=torch.bool),
+                         "aux_hidden_states": states[:n, self._cols].to(torch.bfloat16),
+                         "last_hidden_states": states[:n, self._last].to(torch.bfloat16)},  # [n, H], pre-norm
+                        truncated=len(r.input_ids) > self.max_len or len(captured[0]) > self.max_len)
         self.kept += 1
 
     def finish(self) -> dict[str, Any]:
-        return self.writer.finish(kept_last_run=self.kept, left_to_extract_last_run=self.left)
+        return self.writer.finish(kept_last_run=self.kept, left_to_extract_last_run=self.left,
+                                  as_generated_last_run=self.as_generated)
