@@ -169,7 +169,7 @@ class CaptureWriter:
     final state before the final norm, which the extract stage applies), aligned with the conversation as
     the extract stage renders it. A conversation whose states are incomplete (a prefix vLLM cached from
     another conversation) is left out: the extract stage runs it. One whose last reply re-renders to other tokens
-    than the engine generated (non-canonical tokenization: 4-7% of the recipes' conversations) is kept with the
+    than the engine generated (non-canonical tokenization: 3-7% of the recipes' conversations) is kept with the
     engine's tokens, the ones the draft meets when serving, and listed in `as_generated.jsonl`
     (`eyas.features.CAPTURE_AS_GENERATED`)."""
 
@@ -208,18 +208,18 @@ class CaptureWriter:
         if captured is None:
             self.left += 1
             return
-        ids, states = captured
+        engine_ids, states = captured
         r = render_with_mask(self.tok, msgs, self.template, where=f"conversation {conv_id}")
-        full, n = r.input_ids[: self.max_len], min(len(ids), states.shape[0], self.max_len)
-        k = min(common_prefix(ids, full), n)
-        if k >= len(full) - CAPTURE_SLACK and k:  # the render's tokens, all but the last reply's final ones
+        full, n = r.input_ids[: self.max_len], min(len(engine_ids), states.shape[0], self.max_len)
+        k = min(common_prefix(engine_ids, full), n)
+        if k and k >= len(full) - CAPTURE_SLACK:  # the render's tokens, all but the last reply's final ones
             ids, mask, n = full[:k], r.loss_mask[:k], k
         else:  # they part inside the last reply (the earlier turns are rendered text in its prompt too)
             last = next((i for i in range(len(full) - 1, 0, -1) if r.loss_mask[i] and not r.loss_mask[i - 1]), None)
             if last is None or k < last:
                 self.left += 1
                 return
-            ids, mask = ids[:n], r.loss_mask[:k] + [True] * (n - k)  # the rest: the last reply as generated
+            ids, mask = engine_ids[:n], r.loss_mask[:k] + [1] * (n - k)  # the rest: the last reply as generated
             self.as_generated += 1
             with open(self.writer.out / CAPTURE_AS_GENERATED, "a") as f:  # before its shard: a line alone is harmless
                 f.write(json.dumps({"id": conv_id, "tokens": len(full), "sha256": ids_digest(full)}) + "\n")
@@ -227,7 +227,7 @@ class CaptureWriter:
                          "loss_mask": torch.tensor(mask, dtype=torch.bool),
                          "aux_hidden_states": states[:n, self._cols].to(torch.bfloat16),
                          "last_hidden_states": states[:n, self._last].to(torch.bfloat16)},  # [n, H], pre-norm
-                        truncated=len(r.input_ids) > self.max_len or len(captured[0]) > self.max_len)
+                        truncated=len(r.input_ids) > self.max_len or len(engine_ids) > self.max_len)
         self.kept += 1
 
     def finish(self) -> dict[str, Any]:
