@@ -28,6 +28,9 @@ def test_plan_of_a_fresh_run_dir_writes_nothing(tmp_path, capsys, embedded_targe
     assert "<= 430,080 tokens" in p["extract"] and "x 4 states x hidden 576 x 2 bytes = <= 1.98 GB" in p["extract"]
     t = read_recipe("demo").train
     assert f"{t.max_steps} steps x {t.token_budget} tokens" in p["train"] and p["train"].startswith("to do")
+    assert "run.max_minutes" not in p["train"]
+    p = _plan(capsys, out, "run.max_minutes=30", "run.reserve_minutes=9")
+    assert "at most what is left of run.max_minutes 30 when it starts, less run.reserve_minutes 9" in p["train"]
 
 
 def test_plan_of_a_half_done_run_dir(tmp_path, capsys, embedded_target):

@@ -887,6 +887,17 @@ def test_step_budget_arithmetic():
         StepBudget(0, 10)
 
 
+def test_a_run_budget_leaves_training_what_the_stages_before_it_left():
+    """run.max_minutes: training gets the run's minutes less those gone and the reserve for the stages
+    after it, at most its own train.max_minutes, at least the minute it times its steps in."""
+    from eyas.train.budget import MIN_TRAIN_MINUTES, minutes_for_training
+
+    assert minutes_for_training(120, 15, 80 * 60, 34) == pytest.approx(25)  # a slow synthesis: fewer minutes
+    assert minutes_for_training(120, 15, 50 * 60, 34) == 34  # a fast one: its own cap
+    assert minutes_for_training(120, 15, 50 * 60, 0) == pytest.approx(55)  # no cap of its own: all that is left
+    assert minutes_for_training(120, 15, 110 * 60, 34) == MIN_TRAIN_MINUTES  # past the deadline
+
+
 def test_a_step_budget_fits_the_run_and_a_resume_finishes_it(tiny_data, tmp_path, monkeypatch):
     """train.max_minutes: the trainer times its first steps, trains what fits (here 10 steps timed, then
     what a 1-minute budget buys at a pace pinned to 10 s a step: 5 more) and ends its cosine there; killed

@@ -121,6 +121,21 @@ def _train(cfg: Recipe, nproc: int) -> None:
                          "re-run the same command to resume from the last checkpoint")
 
 
+def _training_minutes(cfg: Recipe, elapsed_s: float) -> float:
+    """run.max_minutes: the training budget left once the stages before it took `elapsed_s`, printed."""
+    from eyas.train.budget import MIN_TRAIN_MINUTES, minutes_for_training
+
+    r = cfg.run
+    got = minutes_for_training(r.max_minutes, r.reserve_minutes, elapsed_s, cfg.train.max_minutes)
+    own = f"train.max_minutes {cfg.train.max_minutes:g}" if cfg.train.max_minutes > 0 else "no train.max_minutes"
+    late = r.max_minutes - r.reserve_minutes - elapsed_s / 60 < MIN_TRAIN_MINUTES
+    print(f"eyas run: run.max_minutes {r.max_minutes:g}: {elapsed_s / 60:.1f} gone, {r.reserve_minutes:g} kept for "
+          f"export, eval and bench: training gets {got:.1f} min ({own})"
+          + (f"; too little is left: training takes the {MIN_TRAIN_MINUTES:g} min it times its steps in and ends"
+             if late else ""), flush=True)
+    return got
+
+
 def _slug(spec: str) -> str:
     return "hybrid_" + spec.replace(":", "_").replace(">=", "ge").replace(">", "_over_")
 
@@ -159,6 +174,7 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
     write_manifest(out, "run", cfg, key=key, complete=False)
     timings: dict[str, float] = {}
     report: dict[str, Any] = {"name": out.name, "config": to_dict(cfg)}
+    t_start = time.monotonic()  # run.max_minutes counts from here
 
     with _stage(timings, "target"):
         target = resolve_target(cfg.run.target)
@@ -204,6 +220,8 @@ def _run(cfg: Recipe, out: Path) -> dict[str, Any]:
         t.target, t.out = str(serve_target), str(out / "train")
         t.resume = True  # the run dir's own training: a killed run continues from its last checkpoint
         t.eval_lone_final = False  # the eval stage below measures the last checkpoint on every held-out prompt
+        if cfg.run.max_minutes > 0:
+            t.max_minutes = _training_minutes(cfg, time.monotonic() - t_start)
         cfg.eval.target, cfg.eval.prompts = str(serve_target), str(eval_prompts)  # serve-eval measures with eval.*
         again_if_changed(out, lambda: _train(cfg, cfg.run.nproc))
 

@@ -136,6 +136,9 @@ def plan(cfg: Recipe) -> list[tuple[str, str]]:
         "done: skipped" if tman.get("complete") and ck.name == f"step_{last}" else f"resumes from {ck.name}")
     budget = (f"; at most train.max_minutes {t.max_minutes:g} of steps: fewer steps where they do not fit, timed on "
               "this machine" if t.max_minutes > 0 else "")
+    if cfg.run.max_minutes > 0:
+        budget += (f"; at most what is left of run.max_minutes {cfg.run.max_minutes:g} when it starts, less "
+                   f"run.reserve_minutes {cfg.run.reserve_minutes:g} for export, eval and bench")
     rows.append(("train", f"{state}; {t.max_steps} steps x {t.token_budget} tokens x grad_accum {t.grad_accum} x "
                  f"{max(1, cfg.run.nproc)} rank(s) = {_n(seen)} tokens seen (packed micro-batches: an upper bound); "
                  f"serve-eval every {t.eval_every or t.max_steps} steps{budget}"))

@@ -9,6 +9,10 @@ serve-evals are outside the budget: they measure the run, they do not train it. 
 kept in the run's manifest, so a resume finishes the same run rather than fitting again (to train past
 it, resume with `train.max_minutes=0` and the `max_steps` wanted; `train.lr_decay_steps` sets a new
 horizon). A run killed before its fit times its steps afresh when resumed.
+
+`run.max_minutes` budgets a whole `eyas run`: when training starts, it gets what is left of the run's
+minutes less `run.reserve_minutes` (kept for export, eval and bench), at most its own `train.max_minutes`.
+Synthesis keeps its own budget (`synth.max_seconds`); a machine that synthesizes slower trains fewer steps.
 """
 
 from __future__ import annotations
@@ -20,6 +24,17 @@ def resumed_max_steps(max_steps: int, max_minutes: float, manifest: dict[str, An
     """The step count a run dir's training ends at: `max_steps`, or fewer when its budget was fitted."""
     fitted = (manifest.get("budget") or {}).get("fitted_steps")
     return min(max_steps, int(fitted)) if max_minutes > 0 and fitted else max_steps
+
+
+# a run already past its deadline still trains the steps its budget times (set-up and pace), then ends
+MIN_TRAIN_MINUTES = 1.0
+
+
+def minutes_for_training(run_minutes: float, reserve_minutes: float, elapsed_s: float, train_minutes: float) -> float:
+    """`run.max_minutes`: train.max_minutes for a run `elapsed_s` seconds in: what is left of `run_minutes` less
+    `reserve_minutes`, at most `train_minutes` (0: no cap of its own), at least MIN_TRAIN_MINUTES."""
+    left = run_minutes - reserve_minutes - elapsed_s / 60
+    return max(MIN_TRAIN_MINUTES, min(train_minutes, left) if train_minutes > 0 else left)
 
 
 class StepBudget:
