@@ -131,7 +131,7 @@ def _training_minutes(cfg: Recipe, elapsed_s: float) -> float:
     late = r.max_minutes - r.reserve_minutes - elapsed_s / 60 < MIN_TRAIN_MINUTES
     print(f"eyas run: run.max_minutes {r.max_minutes:g}: {elapsed_s / 60:.1f} gone, {r.reserve_minutes:g} kept for "
           f"export, eval and bench: training gets {got:.1f} min ({own})"
-          + (f"; too little is left: training takes the {MIN_TRAIN_MINUTES:g} min it times its steps in and ends"
+          + ("; too little is left: training times its first steps (train.max_minutes), then ends"
              if late else ""), flush=True)
     return got
 
