@@ -263,8 +263,9 @@ class RunConfig:
     trust_remote_code: bool = False  # let transformers / vLLM run the target checkpoint's own code
     language_model_only: bool = False  # a multimodal target (Kimi-K2.5) runs text-only in vLLM: no vision tower
     plan: bool = False  # `eyas run --plan`: print what each stage would do and make here; start nothing
-    # the whole run's wall clock (0: none): training gets what is left of it less reserve_minutes, at most
-    # train.max_minutes, so a slower machine trains fewer steps instead of running late (eyas.train.budget)
+    # the whole run's wall clock from this command's start (0: none): training gets what is left of it less
+    # reserve_minutes, at most train.max_minutes, so a slower machine trains fewer steps instead of running
+    # late (eyas.train.budget); a resumed run keeps the step count its first fit chose
     max_minutes: float = 0.0
     reserve_minutes: float = 15.0  # of run.max_minutes: kept for the stages after training (export, eval, bench)
 
